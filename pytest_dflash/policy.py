@@ -1,0 +1,98 @@
+"""The predeclared gate policy: every threshold a gate may use, in one table.
+
+Defaults live here; a project overrides them in ``[tool.pytest-dflash]`` of its pyproject. The
+resolved table is printed in the report header and stored in the JSON report, and tests read
+it through the ``dflash_policy`` fixture: no gate carries a private threshold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class PolicyError(ValueError):
+    """An override in pyproject that names no threshold or has the wrong type."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    # speed (DESIGN 6): pass only if the CI upper bound of candidate/baseline < 1 - min_gain
+    speed_min_gain: float = 0.01
+    speed_confidence: float = 0.95
+    speed_rounds: int = 12
+    speed_max_rounds: int = 48
+    speed_warmup: int = 2
+    bootstrap_resamples: int = 2000
+    seed: int = 20261129
+    # validation_cost: every M's CI upper bound <= 1 + noise floor
+    validation_noise_floor: float = 0.01
+    validation_max_m: int = 8
+    # parity: err(candidate) <= k * err(same-dtype torch reference) + floor, and relative L2
+    parity_k: float = 2.0
+    parity_floor: dict[str, float] = field(
+        default_factory=lambda: {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}
+    )
+    parity_rel_l2: dict[str, float] = field(
+        default_factory=lambda: {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+    )
+    # ppl: max per-segment |PPL(candidate) - PPL(baseline)|
+    ppl_tolerance: float = 0.01
+    # quality: paired McNemar exact test on discordant tasks, plus output-contract margins
+    quality_alpha: float = 0.05
+    quality_contract_margin: int = 0
+    quality_stop_rate_margin: float = 0.05
+    quality_max_new_tokens: int = 256
+    # sandboxed executor limits
+    sandbox_timeout_s: float = 10.0
+    sandbox_memory_mb: int = 512
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def rel_l2(self, dtype: str) -> float:
+        return self.parity_rel_l2[_dtype_key(dtype)]
+
+    def floor(self, dtype: str) -> float:
+        return self.parity_floor[_dtype_key(dtype)]
+
+
+def _dtype_key(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def policy_from_overrides(overrides: dict[str, Any]) -> Policy:
+    known = {f.name: f for f in dataclasses.fields(Policy)}
+    values: dict[str, Any] = {}
+    for key, value in overrides.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise PolicyError(
+                f"[tool.pytest-dflash] names unknown threshold {key!r}; known: {', '.join(known)}"
+            )
+        default = getattr(Policy(), name)
+        if isinstance(default, dict):
+            if not isinstance(value, dict):
+                raise PolicyError(f"[tool.pytest-dflash] {key} must be a table, got {value!r}")
+            value = {**default, **value}
+        elif isinstance(default, bool) or not isinstance(value, (int, float)):
+            raise PolicyError(f"[tool.pytest-dflash] {key} must be a number, got {value!r}")
+        elif isinstance(default, int) and not isinstance(value, int):
+            raise PolicyError(f"[tool.pytest-dflash] {key} must be an integer, got {value!r}")
+        values[name] = value
+    return Policy(**values)
+
+
+def load_policy(rootdir: Path) -> Policy:
+    """Read overrides from ``rootdir/pyproject.toml`` if it has a ``[tool.pytest-dflash]`` table."""
+    pyproject = Path(rootdir) / "pyproject.toml"
+    if not pyproject.is_file():
+        return Policy()
+    try:
+        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"{pyproject}: not valid TOML ({exc}); fix the file") from None
+    return policy_from_overrides(data.get("tool", {}).get("pytest-dflash", {}))

@@ -1,0 +1,170 @@
+"""Route records and the registry they are declared into.
+
+A route is data, not code: its implementation is named by a ``"module:attribute"`` string and
+only imported when a gate runs it, so registering the whole shipped stack costs no torch import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from pytest_dflash.gates import ROLES, UnknownNameError, check_kind
+
+
+class RegistryError(ValueError):
+    """A route declaration that contradicts the registry (duplicate, dangling baseline, ...)."""
+
+
+def resolve(target: str | Callable[..., Any] | None) -> Any:
+    """Import ``"package.module:attr"`` lazily; callables and None pass through."""
+    if target is None or not isinstance(target, str):
+        return target
+    module_name, sep, attr = target.partition(":")
+    if not sep:
+        raise RegistryError(f"implementation {target!r} must look like 'package.module:attribute'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class Route:
+    """One implementation or setting of a family.
+
+    ``impl`` is what op-level gates call (family-specific contract); ``engine`` maps
+    family -> route name and is what model-level gates switch in the engine. ``probe`` returns
+    None when the route can run here, otherwise the human reason it cannot (e.g. "needs SM70").
+    """
+
+    name: str
+    family: str
+    role: str
+    baseline: str | None = None
+    gates: tuple[str, ...] = ()
+    default_enabled: bool = False
+    impl: str | Callable[..., Any] | None = None
+    engine: Mapping[str, str] = field(default_factory=dict)
+    probe: str | Callable[[], str | None] | None = None
+    switch: str | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise RegistryError(f"route {self.name!r}: role {self.role!r} is not one of {ROLES}")
+        if not self.name.startswith(self.family + "."):
+            raise RegistryError(
+                f"route {self.name!r} must be named '<family>.<route>' with family {self.family!r}"
+            )
+        object.__setattr__(self, "gates", tuple(self.gates))
+        object.__setattr__(self, "engine", MappingProxyType(dict(self.engine)))
+        try:
+            for kind in self.gates:
+                check_kind(kind)
+        except UnknownNameError as exc:
+            raise RegistryError(f"route {self.name!r}: {exc}") from None
+        if self.role == "candidate" and not self.baseline:
+            raise RegistryError(f"candidate route {self.name!r} must name its baseline")
+        if self.role == "candidate" and self.default_enabled:
+            raise RegistryError(f"candidate route {self.name!r} must be default-off until accepted")
+
+    @property
+    def short(self) -> str:
+        return self.name[len(self.family) + 1 :]
+
+    @property
+    def enable_switch(self) -> str:
+        """Environment-style switch printed by ``pytest-dflash enable`` for an accepted route."""
+        if self.switch:
+            return self.switch
+        return "DFLASH_" + self.name.upper().replace(".", "_")
+
+    def implementation(self) -> Any:
+        return resolve(self.impl)
+
+    def unavailable_reason(self) -> str | None:
+        probe = resolve(self.probe)
+        return probe() if probe is not None else None
+
+
+class RouteRegistry:
+    """All routes of a session, checked as a whole once every plugin had its say."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, Route] = {}
+
+    def register(self, route: Route) -> Route:
+        if not isinstance(route, Route):
+            raise RegistryError(f"register() takes a Route, got {type(route).__name__}")
+        if route.name in self._routes:
+            raise RegistryError(f"route {route.name!r} is registered twice")
+        self._routes[route.name] = route
+        return route
+
+    def validate(self) -> None:
+        """Dangling baselines can only be judged after every plugin registered its routes."""
+        for route in self._routes.values():
+            if route.baseline is None:
+                continue
+            base = self._routes.get(route.baseline)
+            if base is None:
+                raise RegistryError(
+                    f"route {route.name!r} names baseline {route.baseline!r}, which is not "
+                    f"registered; known routes of family {route.family!r}: "
+                    f"{', '.join(r.name for r in self.family(route.family)) or 'none'}"
+                )
+            if base.family != route.family:
+                raise RegistryError(
+                    f"route {route.name!r} and its baseline {base.name!r} are of different families"
+                )
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._routes
+
+    def __iter__(self):
+        return iter(sorted(self._routes.values(), key=lambda r: r.name))
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def get(self, name: str) -> Route:
+        try:
+            return self._routes[name]
+        except KeyError:
+            raise UnknownNameError(
+                f"unknown route {name!r}; known routes: {', '.join(sorted(self._routes))}"
+            ) from None
+
+    def family(self, family: str) -> list[Route]:
+        return [r for r in self if r.family == family]
+
+    def families(self) -> list[str]:
+        return sorted({r.family for r in self._routes.values()})
+
+    def candidates(self, family: str | None = None, kind: str | None = None) -> list[Route]:
+        return [
+            r
+            for r in self
+            if r.role == "candidate"
+            and (family is None or r.family == family)
+            and (kind is None or kind in r.gates)
+        ]
+
+    def role(self, family: str, role: str) -> Route:
+        matches = [r for r in self.family(family) if r.role == role]
+        if not matches:
+            raise UnknownNameError(f"family {family!r} has no {role} route registered")
+        return matches[0]
+
+    def engine_selection(self, names: Iterable[str] = ()) -> dict[str, str]:
+        """Family -> route for an engine: every family's baseline, then the named overrides."""
+        selection = {r.family: r.name for r in self if r.role == "baseline"}
+        for name in names:
+            route = self.get(name)
+            selection[route.family] = route.name
+            selection.update(route.engine)
+        return selection
