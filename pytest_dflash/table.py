@@ -1,0 +1,34 @@
+"""Plain-text verdict table, shared by the terminal summary and the CLI."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytest_dflash.gates import GATE_KINDS
+
+_MARK = {"passed": "pass", "failed": "FAIL", "pending": "pending"}
+
+
+def render(report: dict[str, Any]) -> list[str]:
+    """One row per candidate route, gate columns, then the deciding figure of each gate."""
+    routes = report["routes"]
+    if not routes:
+        return ["no candidate routes were registered or selected"]
+    kinds = [k for k in GATE_KINDS if any(k in r["required"] for r in routes.values())]
+    name_w = max(len("route"), *(len(n) for n in routes))
+    widths = [max(len(k), 7) for k in kinds]
+    columns = [k.ljust(w) for k, w in zip(kinds, widths, strict=True)]
+    header = "  ".join(["route".ljust(name_w), *columns, "verdict"])
+    lines = [header, "-" * len(header)]
+    for name, entry in sorted(routes.items()):
+        cells = []
+        for kind, width in zip(kinds, widths, strict=False):
+            gate = entry["gates"].get(kind)
+            cells.append(("-" if gate is None else _MARK[gate["status"]]).ljust(width))
+        lines.append("  ".join([name.ljust(name_w), *cells, entry["verdict"].upper()]))
+        for kind in kinds:
+            gate = entry["gates"].get(kind)
+            if gate and gate.get("figure"):
+                lines.append(f"    {kind}: {gate['figure']}")
+        lines.extend(f"    -> {reason}" for reason in entry["reasons"])
+    return lines

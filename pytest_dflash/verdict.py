@@ -1,0 +1,77 @@
+"""From test outcomes to gate statuses to route verdicts (DESIGN 2, 4).
+
+This is the only place that decides; the plugin, the merge and the CLI all call it on the
+report's data, so a verdict read back from a report is computed exactly like a live one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+PASSED, FAILED, PENDING = "passed", "failed", "pending"
+ACCEPT, REJECT = "accept", "reject"
+FAILING_OUTCOMES = frozenset({"failed", "error"})
+
+
+def gate_status(tests: Iterable[Mapping[str, Any]]) -> str:
+    """failed if any test failed; passed only if tests ran and every one passed; else pending.
+
+    A skipped test keeps its gate pending: a skip never counts as a pass.
+    """
+    outcomes = [t["outcome"] for t in tests]
+    if any(o in FAILING_OUTCOMES for o in outcomes):
+        return FAILED
+    if outcomes and all(o == "passed" for o in outcomes):
+        return PASSED
+    return PENDING
+
+
+def gate_figure(tests: list[Mapping[str, Any]], limit: int = 2) -> str:
+    """The figure that decided the gate: failing tests' figures first, then the others."""
+    ordered = sorted(tests, key=lambda t: t["outcome"] not in FAILING_OUTCOMES)
+    figures: list[str] = []
+    for test in ordered:
+        figure = test.get("measurements", {}).get("figure")
+        if figure and figure not in figures:
+            figures.append(str(figure))
+    text = "; ".join(figures[:limit])
+    if len(figures) > limit:
+        text += f" (+{len(figures) - limit} more)"
+    return text
+
+
+def route_verdict(
+    required: Iterable[str], gates: Mapping[str, Mapping[str, Any]]
+) -> tuple[str, list[str]]:
+    """accept / reject / pending with one reason per gate that is not passed."""
+    reasons: list[str] = []
+    verdict = ACCEPT
+    for kind in required:
+        gate = gates.get(kind, {"status": PENDING, "tests": []})
+        status = gate["status"]
+        if status == PASSED:
+            continue
+        if status == FAILED:
+            verdict = REJECT
+            failed = [t for t in gate["tests"] if t["outcome"] in FAILING_OUTCOMES]
+            detail = failed[0].get("message") or failed[0]["nodeid"] if failed else ""
+            reasons.append(f"{kind} failed: {detail}".rstrip(": "))
+        else:
+            if verdict == ACCEPT:
+                verdict = PENDING
+            skipped = [t for t in gate["tests"] if t["outcome"] == "skipped"]
+            if skipped:
+                reasons.append(f"{kind} pending: skipped ({skipped[0].get('message', '')})")
+            else:
+                reasons.append(f"{kind} pending: did not run in this evidence")
+    return verdict, reasons
+
+
+def recompute(routes: dict[str, dict[str, Any]]) -> None:
+    """Refresh every gate status, figure and route verdict of a report's ``routes`` in place."""
+    for entry in routes.values():
+        for gate in entry["gates"].values():
+            gate["status"] = gate_status(gate["tests"])
+            gate["figure"] = gate_figure(gate["tests"])
+        entry["verdict"], entry["reasons"] = route_verdict(entry["required"], entry["gates"])
