@@ -4,6 +4,6 @@ The public API is deliberately tiny and import-light (no torch here): a route re
 registry it is registered into from the ``pytest_dflash_routes`` hook.
 """
 
-from pytest_dflash.registry import Route, RouteRegistry, RegistryError
+from pytest_dflash.registry import RegistryError, Route, RouteRegistry
 
 __all__ = ["Route", "RouteRegistry", "RegistryError"]

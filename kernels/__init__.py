@@ -1,0 +1,1 @@
+"""The shipped kernels under test: D256 attention, NVFP4 / QPN layouts, gemm routes."""

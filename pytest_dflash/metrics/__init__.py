@@ -1,0 +1,1 @@
+"""Metric modules for evaluate, loaded by absolute path (never by hub name)."""

@@ -1,0 +1,1 @@
+"""Gate suites of pytest-dflash: one module per gate kind, generic over registered routes."""
