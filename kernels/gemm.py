@@ -1,0 +1,523 @@
+"""The gemm.nvfp4 routes: linear layers whose weights are NVFP4 (DESIGN 5, "gemm.nvfp4 routes").
+
+Every route offers the same calling contract (:class:`GemmRoute`), which the gate suites and the
+reference engine use and an outside route of this family must offer too:
+
+- ``prepare(w: NVFP4Weight) -> prepared``: the route's resident form of the weight; call it
+  once per weight and keep the result (it is the only place a route may copy the weight);
+- ``linear(x [M, K], prepared) -> [M, N]``: ``x @ W^T``; x fp32 or fp16, output in x's dtype;
+- ``gate_up(x, prepared) -> [M, N/2]``: ``silu(x @ Wg^T) * (x @ Wu^T)`` for a fused weight
+  whose first N/2 rows are the gate and last N/2 rows the up projection.
+
+Every call records route hits (``pytest_dflash.hits.record(route, path)``) under the name of the
+route whose *code path* ran, so a gate can prove which kernel served a call: the qpn2_packed
+dispatch op records its branch under its own name, and the shared kernel it ran records under
+``gemm.nvfp4.qpn2`` (``small_m``) or ``gemm.nvfp4.qpn4_bounded`` (``large_m``).
+
+This is a torch reference implementation for every device. Its dequantized values and
+matmuls are fp32 on every device (a GPU kernel would hold fp16 in the workspace; on this CPU an
+fp16 GEMM is about 6x slower than fp32, which would only measure torch's fp16 CPU kernels).
+Accumulation is fp32 for both input dtypes; the output is cast to x's dtype once, at the end.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash_kernels.nvfp4 import GROUP_K, NVFP4Weight, dequantize, e2m1_table, validate
+from dflash_kernels.qpn import (
+    BYTES_PER_GROUP_COLUMN,
+    FP16_SCALE_BIAS,
+    TILE_N,
+    QPNWeight,
+    prepare_qpn2,
+    tile_view,
+)
+from pytest_dflash import hits
+
+FAMILY = "gemm.nvfp4"
+# Largest projection of the target deployment in fp16: 5120 x 8704 x 2 bytes = 85 MiB.
+DEFAULT_WORKSPACE_BYTES = 5120 * 8704 * 2
+# The small-M kernel's row limit, and the verify width (draft 7 + 1) that must never leave it.
+QPN2_MAX_M = 32
+MAX_VERIFY_M = 8
+DEFAULT_MIN_PREFILL_M = QPN2_MAX_M + 1
+# K elements per split of the small-M path: partial sums of 256 K are reduced in a fixed order.
+SPLIT_K = 256
+# Workspace bytes per (tile, group): 32 x 16 fp32 values + 32 x 8 int32 byte indices.
+_WORKSPACE_BYTES_PER_TILE_GROUP = TILE_N * GROUP_K * 4 + TILE_N * BYTES_PER_GROUP_COLUMN * 4
+
+
+@runtime_checkable
+class GemmRoute(Protocol):
+    """The calling contract of family gemm.nvfp4 (see the module docstring)."""
+
+    name: str
+
+    def prepare(self, w: NVFP4Weight) -> Any: ...
+
+    def linear(self, x: Tensor, prepared: Any) -> Tensor: ...
+
+    def gate_up(self, x: Tensor, prepared: Any) -> Tensor: ...
+
+
+def as_gemm_route(impl: object, route_name: str) -> GemmRoute:
+    """Return ``impl`` if it offers the family contract, else raise TypeError naming the gap."""
+    missing = [m for m in ("prepare", "linear", "gate_up") if not callable(getattr(impl, m, None))]
+    if missing:
+        raise TypeError(
+            f"route {route_name!r}: implementation {impl!r:.60} lacks {', '.join(missing)}; a "
+            f"{FAMILY} route must offer prepare(w), linear(x, prepared), gate_up(x, prepared)"
+        )
+    return impl  # type: ignore[return-value]
+
+
+class Workspace:
+    """Scratch bytes of the bounded prefill path; grows lazily, never beyond ``bound_bytes``.
+
+    ``peak_bytes`` is the largest storage ever held, so a gate can assert the bound from a real
+    run instead of trusting the chunking arithmetic.
+    """
+
+    def __init__(self, bound_bytes: int = DEFAULT_WORKSPACE_BYTES) -> None:
+        self.bound_bytes = _check_bound(bound_bytes)
+        self.peak_bytes = 0
+        self._storage: Tensor | None = None
+
+    def set_bound(self, bound_bytes: int) -> None:
+        self.bound_bytes = _check_bound(bound_bytes)
+        if self._storage is not None and self._storage.numel() > self.bound_bytes:
+            self._storage = None
+
+    def take(self, nbytes: int, device: torch.device) -> Tensor:
+        """uint8 ``[nbytes]`` scratch; contents are garbage."""
+        if nbytes > self.bound_bytes:
+            raise RuntimeError(
+                f"workspace request of {nbytes} bytes exceeds its bound {self.bound_bytes}: "
+                "the chunking must be derived from the bound (this is a bug in the route)"
+            )
+        storage = self._storage
+        if storage is None or storage.numel() < nbytes or storage.device != device:
+            storage = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._storage = storage
+            self.peak_bytes = max(self.peak_bytes, nbytes)
+        return storage[:nbytes]
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self._storage.numel() if self._storage is not None else 0
+
+
+def _check_bound(bound_bytes: int) -> int:
+    if isinstance(bound_bytes, bool) or not isinstance(bound_bytes, int) or bound_bytes <= 0:
+        raise ValueError(f"workspace bound must be a positive int of bytes, got {bound_bytes!r}")
+    return bound_bytes
+
+
+def workspace_bytes_per_tile(k: int) -> int:
+    """Workspace bytes one 32-column tile of a K-deep weight needs (the smallest valid bound)."""
+    return (k // GROUP_K) * _WORKSPACE_BYTES_PER_TILE_GROUP
+
+
+# ----------------------------------------------------------------------------------------------
+# shared kernels
+
+
+_lut_lock = threading.Lock()
+_LUT_PAIRS: dict[torch.device, Tensor] = {}
+
+
+def _lut_pairs(device: torch.device) -> Tensor:
+    """fp32 ``[256, 2]``: the two E2M1 values (low nibble, high nibble) of every byte.
+
+    One gather of 8 bytes per byte replaces unpack + per-code lookup + interleave.
+    """
+    with _lut_lock:
+        table = _LUT_PAIRS.get(device)
+        if table is None:
+            values = e2m1_table(torch.float32, device)
+            byte = torch.arange(256, device=device)
+            table = torch.stack((values[byte & 0x0F], values[byte >> 4]), dim=1).contiguous()
+            _LUT_PAIRS[device] = table
+        return table
+
+
+def _decode_tiles(codes: Tensor, scales: Tensor, index: Tensor, values: Tensor) -> Tensor:
+    """Dequantize tiles ``codes [t, g, 32, 8]`` with ``scales [t, g, 32]`` (fp32) into
+    ``values`` and return them as ``[t * 32, g * 16]`` (row = column n, K contiguous).
+
+    ``index`` (int32) and ``values`` (fp32) are caller-owned scratch of the exact sizes, so the
+    bounded path can place them in its workspace. ``code value * scale`` is exact in fp32.
+    """
+    t, g = codes.shape[0], codes.shape[1]
+    index.view(t, TILE_N, g, BYTES_PER_GROUP_COLUMN).copy_(codes.permute(0, 2, 1, 3))
+    torch.index_select(_lut_pairs(codes.device), 0, index, out=values.view(-1, 2))
+    values.view(t, TILE_N, g, GROUP_K).mul_(scales.permute(0, 2, 1).unsqueeze(-1))
+    return values.view(t * TILE_N, g * GROUP_K)
+
+
+def _qpn2_small_m(x32: Tensor, w: QPNWeight) -> Tensor:
+    """The small-M kernel: fp32 ``[M, Np]`` from QPN2 codes and raw E4M3 scale bytes.
+
+    Rows are served in blocks of at most 32 (the kernel's M contract). K is split into
+    ``SPLIT_K`` slices; each slice's partial product is accumulated into the output in slice
+    order, a fixed reduction order, so the result is deterministic. The global scale is
+    applied in fp32 at the end.
+    """
+    m = x32.shape[0]
+    tiles = tile_view(w.qpn2, w.tiles, w.groups)
+    scales = w.scales_e4m3().float()
+    split_groups = SPLIT_K // GROUP_K
+    width = min(split_groups, w.groups)
+    index = torch.empty(w.n_padded * width * BYTES_PER_GROUP_COLUMN, dtype=torch.int32,
+                        device=x32.device)
+    values = torch.empty(w.n_padded * width * GROUP_K, dtype=torch.float32, device=x32.device)
+    out = torch.zeros(m, w.n_padded, dtype=torch.float32, device=x32.device)
+    for r0 in range(0, m, QPN2_MAX_M):
+        hits.record(QPN2.name, "small_m")
+        rows = x32[r0 : r0 + QPN2_MAX_M]
+        acc = out[r0 : r0 + QPN2_MAX_M]
+        for g0 in range(0, w.groups, split_groups):
+            g1 = min(w.groups, g0 + split_groups)
+            n_idx = w.n_padded * (g1 - g0) * BYTES_PER_GROUP_COLUMN
+            part = _decode_tiles(tiles[:, g0:g1], scales[:, g0:g1], index[:n_idx],
+                                 values[: 2 * n_idx])
+            acc.addmm_(rows[:, g0 * GROUP_K : g1 * GROUP_K], part.T)
+    return out.mul_(w.global_scale)
+
+
+def _prefill_scales(x: Tensor, w: QPNWeight) -> Tensor | None:
+    """fp16 inputs use the fp16 pre-scaled scales (what an fp16 kernel consumes) when they are
+    representable; otherwise (fp32 inputs, or weights whose scales overflow fp16) None: raw E4M3
+    with the global scale in fp32."""
+    return w.fp16_prescaled_or_none() if x.dtype == torch.float16 else None
+
+
+def _qpn4_bounded_large_m(
+    x32: Tensor, w: QPNWeight, scales_fp16: Tensor | None, workspace: Workspace
+) -> Tensor:
+    """The large-M kernel: fp32 ``[M, Np]`` from the QPN4 view, chunk of tiles by chunk.
+
+    A chunk is as many whole 32-column tiles as the workspace bound holds (values and byte
+    indices both live in the workspace); each chunk is dequantized and multiplied straight
+    into its output columns. The scale bias (2^14) or the global scale is removed in fp32.
+    """
+    hits.record(QPN4_BOUNDED.name, "large_m")
+    per_tile = workspace_bytes_per_tile(w.k)
+    tiles_per_chunk = min(w.tiles, workspace.bound_bytes // per_tile)
+    if tiles_per_chunk < 1:
+        raise ValueError(
+            f"workspace bound {workspace.bound_bytes} bytes is below one 32-column tile of this "
+            f"K = {w.k} weight ({per_tile} bytes); raise workspace_bytes to at least {per_tile}"
+        )
+    if scales_fp16 is not None:
+        scales, unscale = scales_fp16.float(), 1.0 / FP16_SCALE_BIAS
+    else:
+        scales, unscale = w.scales_e4m3().float(), w.global_scale
+    n_values = tiles_per_chunk * TILE_N * w.k
+    storage = workspace.take(tiles_per_chunk * per_tile, x32.device)
+    values_all = storage[: 4 * n_values].view(torch.float32)
+    index_all = storage[4 * n_values :].view(torch.int32)
+    tiles = tile_view(w.qpn4, w.tiles, w.groups)
+    out = torch.empty(x32.shape[0], w.n_padded, dtype=torch.float32, device=x32.device)
+    for t0 in range(0, w.tiles, tiles_per_chunk):
+        t1 = min(w.tiles, t0 + tiles_per_chunk)
+        count = (t1 - t0) * TILE_N * w.k
+        chunk = _decode_tiles(tiles[t0:t1], scales[t0:t1], index_all[: count // 2],
+                              values_all[:count])
+        torch.mm(x32, chunk.T, out=out[:, t0 * TILE_N : t1 * TILE_N])
+    return out.mul_(unscale)
+
+
+def _finish(y: Tensor, n: int, gated: bool, dtype: torch.dtype) -> Tensor:
+    """Slice padding away, apply the SiLU gate in y's (high) precision, cast once."""
+    y = y[:, :n]
+    if gated:
+        half = n // 2
+        y = F.silu(y[:, :half]) * y[:, half:]
+    return y.to(dtype).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# routes
+
+
+class _Route:
+    name: str
+    path: str
+
+    def prepare(self, w: NVFP4Weight) -> Any:
+        if not isinstance(w, NVFP4Weight):
+            raise TypeError(
+                f"{self.name}.prepare takes an NVFP4Weight, got {type(w).__name__}; build one "
+                "with dflash_kernels.nvfp4.quantize(weight) or NVFP4Weight(packed, scales, ...)"
+            )
+        return validate(w)
+
+    def linear(self, x: Tensor, prepared: Any) -> Tensor:
+        """``x @ W^T`` as ``[M, N]`` in x's dtype."""
+        return self._run(_check_x(self.name, x, prepared), prepared, gated=False)
+
+    def gate_up(self, x: Tensor, prepared: Any) -> Tensor:
+        """``silu(x @ Wg^T) * (x @ Wu^T)`` as ``[M, N/2]`` for a fused gate/up weight."""
+        _check_gated(self.name, prepared)
+        return self._run(_check_x(self.name, x, prepared), prepared, gated=True)
+
+    def _run(self, x: Tensor, prepared: Any, gated: bool) -> Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+def _dims(prepared: Any) -> tuple[int, int, torch.device]:
+    if isinstance(prepared, NVFP4Weight):
+        return prepared.n, prepared.k, prepared.device
+    if isinstance(prepared, QPNWeight):
+        return prepared.n, prepared.k, prepared.device
+    raise TypeError(
+        f"prepared weight of type {type(prepared).__name__} is not from this family's "
+        "prepare(); call route.prepare(w) once and pass its result"
+    )
+
+
+def _check_x(route: str, x: Tensor, prepared: Any) -> Tensor:
+    n, k, device = _dims(prepared)
+    if not isinstance(x, Tensor) or x.dim() != 2:
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{route}: x must be a 2-D tensor [M, K], got {shape}")
+    if x.dtype not in (torch.float32, torch.float16):
+        raise ValueError(
+            f"{route}: x has dtype {x.dtype}; this family takes fp32 or fp16 (SM70 has no "
+            "bf16): convert with x.float() or x.half()"
+        )
+    if x.shape[1] != k:
+        raise ValueError(f"{route}: x has K = {x.shape[1]} but the weight has K = {k}")
+    if x.device != device:
+        raise ValueError(f"{route}: x is on {x.device}, the weight on {device}: move one")
+    return x
+
+
+def _check_gated(route: str, prepared: Any) -> int:
+    n = _dims(prepared)[0]
+    if n % 2:
+        raise ValueError(
+            f"{route}: gate_up needs a fused weight with even N (first N/2 rows gate, last N/2 "
+            f"up), got N = {n}"
+        )
+    return n
+
+
+class OracleRoute(_Route):
+    """Dequantize exactly (fp64) and multiply in fp64: the reference, never promoted."""
+
+    name = f"{FAMILY}.oracle"
+
+    def _run(self, x: Tensor, w: NVFP4Weight, gated: bool) -> Tensor:
+        hits.record(self.name, "fp64")
+        y = x.double() @ dequantize(w, torch.float64).T
+        return _finish(y, w.n, gated, x.dtype)
+
+
+class TurbomindRoute(_Route):
+    """The baseline: dequantize the whole weight per call into a fresh buffer, then matmul.
+
+    The buffer is fp16 for fp16 inputs (what ships) and fp32 for fp32 inputs. On CPU the fp16
+    weights are multiplied in fp32 (same fp16-rounded weights, hence the same numerics as the
+    shipped route up to accumulation order): CPU fp16 GEMM is about 6x slower than fp32 and
+    would make every candidate look fast for the wrong reason.
+    """
+
+    name = f"{FAMILY}.turbomind"
+
+    def _run(self, x: Tensor, w: NVFP4Weight, gated: bool) -> Tensor:
+        hits.record(self.name, "dequant")
+        if x.dtype != torch.float16:
+            y = x @ dequantize(w, torch.float32).T
+        elif x.is_cuda:
+            y = (x @ dequantize(w, torch.float16).T).float()
+        else:
+            y = x.float() @ dequantize(w, torch.float16).float().T
+        return _finish(y, w.n, gated, x.dtype)
+
+
+class QPN2Route(_Route):
+    """The small-M path over QPN2 codes (rows served in blocks of 32)."""
+
+    name = f"{FAMILY}.qpn2"
+
+    def prepare(self, w: NVFP4Weight) -> QPNWeight:
+        return prepare_qpn2(super().prepare(w))
+
+    def _run(self, x: Tensor, w: QPNWeight, gated: bool) -> Tensor:
+        return _finish(_qpn2_small_m(x.float(), w), w.n, gated, x.dtype)
+
+
+class QPN4BoundedRoute(_Route):
+    """N-tiled dequantize of the QPN4 view into a bounded workspace, matmul per chunk.
+
+    Each route object owns one workspace per device; ``workspace_bytes`` is its bound.
+    """
+
+    name = f"{FAMILY}.qpn4_bounded"
+
+    def __init__(self, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> None:
+        self.workspace_bytes = _check_bound(workspace_bytes)
+        self._workspaces: dict[torch.device, Workspace] = {}
+
+    def prepare(self, w: NVFP4Weight) -> QPNWeight:
+        return prepare_qpn2(super().prepare(w))
+
+    def workspace(self, device: torch.device | str = "cpu") -> Workspace:
+        device = torch.device(device)
+        if device not in self._workspaces:
+            self._workspaces[device] = Workspace(self.workspace_bytes)
+        return self._workspaces[device]
+
+    def workspace_peak_bytes(self, device: torch.device | str = "cpu") -> int:
+        return self.workspace(device).peak_bytes
+
+    def _run(self, x: Tensor, w: QPNWeight, gated: bool) -> Tensor:
+        y = _qpn4_bounded_large_m(x.float(), w, _prefill_scales(x, w), self.workspace(x.device))
+        return _finish(y, w.n, gated, x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# qpn2_packed: one dispatch op with the M branch inside
+
+
+_SHARED_WORKSPACES: dict[torch.device, Workspace] = {}
+_dispatch_checked = True
+
+
+def shared_workspace(device: torch.device | str = "cpu") -> Workspace:
+    """The one prefill workspace of ``device`` that every qpn2_packed call shares."""
+    device = torch.device(device)
+    if device not in _SHARED_WORKSPACES:
+        _SHARED_WORKSPACES[device] = Workspace(DEFAULT_WORKSPACE_BYTES)
+    return _SHARED_WORKSPACES[device]
+
+
+def _check_min_prefill_m(min_prefill_m: int) -> int:
+    if not _dispatch_checked:
+        return min_prefill_m
+    if isinstance(min_prefill_m, bool) or not isinstance(min_prefill_m, int):
+        raise ValueError(f"min_prefill_m must be an int, got {min_prefill_m!r}")
+    if min_prefill_m <= MAX_VERIFY_M:
+        raise ValueError(
+            f"min_prefill_m = {min_prefill_m} would send verify steps (M <= {MAX_VERIFY_M}: draft "
+            f"width 7 + 1) to the large-M path and change the speculative verification cost; "
+            f"use min_prefill_m > {MAX_VERIFY_M} (default {DEFAULT_MIN_PREFILL_M})"
+        )
+    return min_prefill_m
+
+
+@contextmanager
+def _unchecked_dispatch_for_testing() -> Iterator[None]:
+    """Private testing hook: lets a test build the broken dispatch (e.g. min_prefill_m = 1)
+    that the validation_cost gate must catch. Never used outside tests."""
+    global _dispatch_checked
+    previous, _dispatch_checked = _dispatch_checked, False
+    try:
+        yield
+    finally:
+        _dispatch_checked = previous
+
+
+def _qpn2_packed_linear(
+    x: Tensor,
+    buffer: Tensor,
+    scales: Tensor,
+    scales_fp16: Tensor | None,
+    global_scale: float,
+    n: int,
+    k: int,
+    min_prefill_m: int,
+    workspace_bytes: int,
+    gated: bool,
+) -> Tensor:
+    _check_min_prefill_m(min_prefill_m)
+    w = QPNWeight(buffer, scales, global_scale, n, k)
+    x32 = x.float()
+    if x.shape[0] >= min_prefill_m:
+        hits.record(QPN2_PACKED.name, "large_m")
+        workspace = shared_workspace(x.device)
+        if workspace.bound_bytes != workspace_bytes:
+            workspace.set_bound(workspace_bytes)
+        y = _qpn4_bounded_large_m(x32, w, scales_fp16, workspace)
+    else:
+        hits.record(QPN2_PACKED.name, "small_m")
+        y = _qpn2_small_m(x32, w)
+    return _finish(y, n, gated, x.dtype)
+
+
+def _qpn2_packed_fake(
+    x: Tensor,
+    buffer: Tensor,
+    scales: Tensor,
+    scales_fp16: Tensor | None,
+    global_scale: float,
+    n: int,
+    k: int,
+    min_prefill_m: int,
+    workspace_bytes: int,
+    gated: bool,
+) -> Tensor:
+    return x.new_empty(x.shape[0], n // 2 if gated else n)
+
+
+# torch.library.Library + impl rather than torch.library.custom_op: same registration in the
+# dispatcher, but about 4 us per call instead of about 20 us, which matters at M <= 8 where the
+# validation_cost gate allows 1%.
+_LIB = torch.library.Library("dflash_gemm", "DEF")
+_LIB.define(
+    "qpn2_packed_linear(Tensor x, Tensor buffer, Tensor scales, Tensor? scales_fp16, "
+    "float global_scale, int n, int k, int min_prefill_m, int workspace_bytes, bool gated) "
+    "-> Tensor"
+)
+_LIB.impl("qpn2_packed_linear", _qpn2_packed_linear, "CompositeExplicitAutograd")
+torch.library.register_fake("dflash_gemm::qpn2_packed_linear", _qpn2_packed_fake, lib=_LIB)
+
+
+class QPN2PackedRoute(_Route):
+    """One dispatch op over the resident QPN2 buffer: M >= min_prefill_m takes the bounded QPN4
+    path (zero-copy view, one shared per-device workspace), smaller M the unchanged QPN2 path.
+
+    The M branch lives inside ``torch.ops.dflash_gemm.qpn2_packed_linear``, never in Python
+    around it, so a captured decode graph cannot freeze one branch.
+    """
+
+    name = f"{FAMILY}.qpn2_packed"
+
+    def __init__(
+        self,
+        min_prefill_m: int = DEFAULT_MIN_PREFILL_M,
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    ) -> None:
+        self.min_prefill_m = _check_min_prefill_m(min_prefill_m)
+        self.workspace_bytes = _check_bound(workspace_bytes)
+
+    def prepare(self, w: NVFP4Weight) -> QPNWeight:
+        return prepare_qpn2(super().prepare(w))
+
+    def workspace_peak_bytes(self, device: torch.device | str = "cpu") -> int:
+        return shared_workspace(device).peak_bytes
+
+    def _run(self, x: Tensor, w: QPNWeight, gated: bool) -> Tensor:
+        return torch.ops.dflash_gemm.qpn2_packed_linear(
+            x, w.buffer, w.scales, _prefill_scales(x, w), w.global_scale, w.n, w.k,
+            self.min_prefill_m, self.workspace_bytes, gated,
+        )
+
+
+ORACLE = OracleRoute()
+TURBOMIND = TurbomindRoute()
+QPN2 = QPN2Route()
+QPN4_BOUNDED = QPN4BoundedRoute()
+QPN2_PACKED = QPN2PackedRoute()
