@@ -1,0 +1,191 @@
+"""A toy project walks the whole evidence lifecycle through the real plugin (pytester).
+
+pass -> accept; a gate fails -> reject naming the gate; fix + rerun that gate alone with
+--dflash-merge -> accept; code changes -> merge refused; strict with nothing run -> nonzero.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+CONFTEST = """
+from pytest_dflash import Route
+
+def pytest_dflash_routes(registry):
+    registry.register(Route("toy.add.base", "toy.add", "baseline", impl="toyimpl:base"))
+    registry.register(Route("toy.add.fast", "toy.add", "candidate", baseline="toy.add.base",
+                            gates=("parity", "speed"), impl="toyimpl:fast"))
+"""
+
+TOYIMPL = """
+import os
+
+def base(a, b):
+    return a + b
+
+def fast(a, b):
+    # TOY_BUG stands for a broken machine state (e.g. a stale build), not a code change:
+    # fixing it leaves the evidence fingerprint unchanged, so the rerun may be merged.
+    return a + b + int(os.environ.get("TOY_BUG", "0")){tweak}
+"""
+
+GATES = """
+import pytest
+pytestmark = pytest.mark.sm70
+
+@pytest.mark.gate("parity", family="toy.add")
+def test_parity(dflash_route, dflash_registry, dflash_record):
+    fast = dflash_route.implementation()
+    base = dflash_registry.get(dflash_route.baseline).implementation()
+    errors = [abs(fast(a, 3) - base(a, 3)) for a in range(10)]
+    dflash_record(figure=f"max abs {max(errors)}", max_abs=max(errors))
+    assert max(errors) == 0, f"parity broken: max abs {max(errors)}"
+
+@pytest.mark.gate("speed", family="toy.add")
+def test_speed(dflash_route, dflash_record):
+    dflash_record(figure="ratio 0.50 [0.45, 0.55]", ratio_median=0.5)
+"""
+
+UNRELATED = """
+def test_unrelated():
+    assert True
+"""
+
+ROUTE = ["--dflash-route", "toy.add.fast", "-p", "no:cacheprovider"]
+
+
+@pytest.fixture
+def toy(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(toyimpl=TOYIMPL.format(tweak=""), test_gates=GATES, test_other=UNRELATED)
+    pytester.syspathinsert()
+    return pytester
+
+
+def _report(pytester: pytest.Pytester) -> dict:
+    return json.loads((pytester.path / "dflash-report.json").read_text())
+
+
+def _git(pytester: pytest.Pytester, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=pytester.path, check=True, capture_output=True)
+
+
+def test_lifecycle_accept_reject_rerun_merge_refuse(
+    toy: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _git(toy, "init", "-q")
+    _git(toy, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    _git(toy, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "toy")
+
+    # 1. all gates pass -> accept
+    result = toy.runpytest("-m", "sm70", *ROUTE)
+    result.assert_outcomes(passed=2, deselected=1)
+    result.stdout.fnmatch_lines(["*dflash verdicts*", "toy.add.fast*pass*pass*ACCEPT*"])
+    report = _report(toy)
+    assert report["routes"]["toy.add.fast"]["verdict"] == "accept"
+    assert report["fingerprint"]["git_head"]
+
+    # 2. a gate fails -> reject, and the failing gate is named with its figure
+    monkeypatch.setenv("TOY_BUG", "1")
+    result = toy.runpytest("-m", "sm70", *ROUTE)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["toy.add.fast*FAIL*pass*REJECT*", "*parity: max abs 1*",
+                                 "*parity failed: *parity broken*"])
+    report = _report(toy)
+    entry = report["routes"]["toy.add.fast"]
+    assert entry["verdict"] == "reject"
+    assert entry["gates"]["parity"]["status"] == "failed"
+    assert entry["gates"]["speed"]["status"] == "passed"
+
+    # 3. fix, rerun only that gate, merge -> accept; the speed evidence is kept, not rerun
+    monkeypatch.delenv("TOY_BUG")
+    result = toy.runpytest("--dflash-gate", "toy.add.fast:parity", "--dflash-merge",
+                           "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, deselected=2)
+    assert result.ret == pytest.ExitCode.OK
+    report = _report(toy)
+    entry = report["routes"]["toy.add.fast"]
+    assert entry["verdict"] == "accept", entry["reasons"]
+    assert [t["outcome"] for t in entry["gates"]["speed"]["tests"]] == ["passed"]
+    assert len(entry["gates"]["parity"]["tests"]) == 1
+
+    # 4. the code changes (a tracked file differs from HEAD) -> merge refused, report untouched
+    before = (toy.path / "dflash-report.json").read_text()
+    (toy.path / "toyimpl.py").write_text(TOYIMPL.format(tweak="  # tweaked"))
+    result = toy.runpytest("--dflash-gate", "toy.add.fast:parity", "--dflash-merge",
+                           "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*merge refused*git_dirty_sha256*"])
+    assert (toy.path / "dflash-report.json").read_text() == before
+
+
+def test_strict_fails_when_selected_candidate_is_pending(toy: pytest.Pytester) -> None:
+    result = toy.runpytest("--dflash-strict", "-k", "unrelated", *ROUTE)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*strict mode: selected candidates left pending: toy.add.fast*"])
+    assert _report(toy)["routes"]["toy.add.fast"]["verdict"] == "pending"
+
+
+def test_without_strict_pending_is_reported_but_not_fatal(toy: pytest.Pytester) -> None:
+    result = toy.runpytest("-k", "unrelated", *ROUTE)
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(["toy.add.fast*pending*pending*PENDING*",
+                                 "*parity pending: did not run*"])
+
+
+def test_skipped_gate_is_pending_never_passed(toy: pytest.Pytester) -> None:
+    toy.makepyfile(test_gates=GATES.replace(
+        'def test_speed(dflash_route, dflash_record):',
+        '@pytest.mark.requires_sm70\ndef test_speed(dflash_route, dflash_record):'))
+    result = toy.runpytest("-m", "sm70", *ROUTE)
+    result.assert_outcomes(passed=1, skipped=1, deselected=1)
+    entry = _report(toy)["routes"]["toy.add.fast"]
+    assert entry["gates"]["speed"]["status"] == "pending"
+    assert entry["verdict"] == "pending"
+    assert "requires SM70 hardware" in entry["reasons"][0]
+
+
+def test_report_is_written_when_interrupted(toy: pytest.Pytester) -> None:
+    toy.makepyfile(test_gates=GATES.replace(
+        'dflash_record(figure="ratio 0.50 [0.45, 0.55]", ratio_median=0.5)',
+        'raise KeyboardInterrupt'))
+    result = toy.runpytest_subprocess("-m", "sm70", *ROUTE)
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    report = _report(toy)
+    assert report["session"]["interrupted"] is True
+    assert report["routes"]["toy.add.fast"]["gates"]["parity"]["status"] == "passed"
+
+
+def test_unrelated_run_writes_no_report(toy: pytest.Pytester) -> None:
+    result = toy.runpytest("-k", "unrelated", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, deselected=2)
+    assert not (toy.path / "dflash-report.json").exists()
+
+
+def test_xdist_two_workers_one_merged_report_and_speed_refused(toy: pytest.Pytester) -> None:
+    pytest.importorskip("xdist")
+    result = toy.runpytest_subprocess("-n", "2", "-m", "sm70", *ROUTE)
+    result.assert_outcomes(passed=1, skipped=1)
+    entry = _report(toy)["routes"]["toy.add.fast"]
+    assert entry["gates"]["parity"]["status"] == "passed"
+    speed = entry["gates"]["speed"]
+    assert speed["status"] == "pending"
+    assert "never share the device with parallel workers" in speed["tests"][0]["message"]
+
+
+def test_policy_override_from_pyproject_is_echoed(toy: pytest.Pytester) -> None:
+    toy.makefile(".toml", pyproject="[tool.pytest-dflash]\nppl_tolerance = 0.02\n")
+    toy.runpytest("-m", "sm70", *ROUTE).assert_outcomes(passed=2, deselected=1)
+    policy = _report(toy)["policy"]
+    assert policy["ppl_tolerance"] == 0.02
+    assert policy["validation_noise_floor"] == 0.01
+
+
+def test_policy_unknown_key_is_a_usage_error(toy: pytest.Pytester) -> None:
+    toy.makefile(".toml", pyproject="[tool.pytest-dflash]\nppl_tolerence = 0.02\n")
+    result = toy.runpytest(*ROUTE)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*unknown threshold 'ppl_tolerence'*ppl_tolerance*"])

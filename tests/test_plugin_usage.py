@@ -1,0 +1,138 @@
+"""Usage errors, markers, --help and the import-light entry module."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+TOY = """
+from pytest_dflash import Route
+
+def pytest_dflash_routes(registry):
+    registry.register(Route("toy.mul.base", "toy.mul", "baseline"))
+    registry.register(Route("toy.mul.fast", "toy.mul", "candidate", baseline="toy.mul.base",
+                            gates=("parity",)))
+"""
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makeconftest(TOY)
+    pytester.makepyfile(test_a="def test_a():\n    assert True\n")
+    return pytester
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--dflash-route", "toy.mul.nope"], "*unknown route 'toy.mul.nope'; known routes:*"
+                                              "toy.mul.fast*"),
+        (["--dflash-route", "toy.mul.base"], "*only candidate routes are gated*baseline*"),
+        (["--dflash-gate", "toy.mul.fast:sped"], "*unknown gate kind 'sped'; known kinds: "
+                                                 "loader, parity, speed*"),
+        (["--dflash-gate", "toy.mul.fast"], "*must look like ROUTE:KIND*"),
+        (["--dflash-gate", "toy.mul.fast:speed"], "*does not require a speed gate; its gates: "
+                                                  "parity*"),
+        (["--dflash-sidecar", "/no/such/lib.so"], "*--dflash-sidecar /no/such/lib.so: no such "
+                                                  "file*"),
+    ],
+)
+def test_usage_errors_name_what_exists(project: pytest.Pytester, args: list[str],
+                                       expected: str) -> None:
+    result = project.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([expected])
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ('registry.register(Route("toy.mul.fast", "toy.mul", "candidate", '
+         'baseline="toy.mul.base"))', "*route 'toy.mul.fast' is registered twice*"),
+        ('registry.register(Route("toy.mul.x", "toy.mul", "candidate", baseline="toy.mul.gone"))',
+         "*names baseline 'toy.mul.gone', which is not registered*"),
+        ('registry.register(Route("toy.mul.y", "toy.mul", "candidate", baseline="toy.mul.base", '
+         'gates=("sped",)))', "*unknown gate kind 'sped'*"),
+        ('registry.register(Route("toy.mul.z", "toy.mul", "candidate", baseline="toy.mul.base", '
+         'default_enabled=True))', "*must be default-off until accepted*"),
+    ],
+)
+def test_registration_errors(project: pytest.Pytester, extra: str, expected: str) -> None:
+    project.makeconftest(TOY + "    " + extra + "\n")
+    result = project.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([expected])
+
+
+def test_unknown_kind_in_marker_is_a_collection_error(project: pytest.Pytester) -> None:
+    project.makepyfile(test_b="""
+        import pytest
+
+        @pytest.mark.gate("perplexity", family="toy.mul")
+        def test_b(dflash_route):
+            pass
+    """)
+    result = project.runpytest()
+    assert result.ret == pytest.ExitCode.INTERRUPTED  # collection errors stop the session
+    result.stdout.fnmatch_lines(["*unknown gate kind 'perplexity'; known kinds: loader, parity*"])
+
+
+def test_gate_test_without_route_fixture_is_a_collection_error(project: pytest.Pytester) -> None:
+    project.makepyfile(test_b="""
+        import pytest
+
+        @pytest.mark.gate("parity", family="toy.mul")
+        def test_b():
+            pass
+    """)
+    result = project.runpytest()
+    result.stdout.fnmatch_lines(["*a gate test must take the `dflash_route` fixture*"])
+
+
+def test_markers_are_registered_for_strict_markers(project: pytest.Pytester) -> None:
+    result = project.runpytest("--markers")
+    for name in ("sm70", "gate(kind", "requires_sm70", "loader", "parity", "speed",
+                 "validation_cost", "ppl", "quality"):
+        result.stdout.fnmatch_lines([f"@pytest.mark.{name}*"])
+    project.makepyfile(test_c="""
+        import pytest
+
+        @pytest.mark.sm70
+        @pytest.mark.ppl
+        @pytest.mark.requires_sm70
+        def test_c():
+            pass
+    """)
+    project.runpytest("--strict-markers", "test_c.py").assert_outcomes(skipped=1)
+
+
+def test_help_lists_the_dflash_group(project: pytest.Pytester) -> None:
+    result = project.runpytest("--help")
+    result.stdout.fnmatch_lines(["pytest-dflash: gate candidate kernel routes:",
+                                 "*--dflash-device={auto,cpu,cuda}*",
+                                 "*--dflash-profile={quick,ci,full}*",
+                                 "*--dflash-route=NAME*", "*--dflash-gate=ROUTE:KIND*",
+                                 "*--dflash-sidecar=PATH*", "*--dflash-report=PATH*",
+                                 "*--dflash-merge*", "*--dflash-strict*",
+                                 "  dflash_profile (string):*", "*dflash_strict (bool): default for --dflash-strict*"])
+
+
+def test_entry_module_imports_nothing_heavy() -> None:
+    code = ("import sys, pytest_dflash.plugin, pytest_dflash; "
+            "heavy = [m for m in ('torch', 'datasets', 'evaluate', 'numpy') if m in sys.modules]; "
+            "print(heavy); sys.exit(1 if heavy else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, f"entry module imported {done.stdout.strip()}"
+
+
+def test_help_does_not_import_torch(project: pytest.Pytester) -> None:
+    project.makeconftest(TOY + """
+import sys
+
+def pytest_unconfigure(config):
+    print("TORCH_LOADED=" + str("torch" in sys.modules))
+""")
+    result = project.runpytest_subprocess("--help")
+    result.stdout.fnmatch_lines(["TORCH_LOADED=False"])
