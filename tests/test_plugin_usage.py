@@ -116,7 +116,8 @@ def test_help_lists_the_dflash_group(project: pytest.Pytester) -> None:
                                  "*--dflash-route=NAME*", "*--dflash-gate=ROUTE:KIND*",
                                  "*--dflash-sidecar=PATH*", "*--dflash-report=PATH*",
                                  "*--dflash-merge*", "*--dflash-strict*",
-                                 "  dflash_profile (string):*", "*dflash_strict (bool): default for --dflash-strict*"])
+                                 "  dflash_profile (string):*",
+                                 "*dflash_strict (bool): default for --dflash-strict*"])
 
 
 def test_entry_module_imports_nothing_heavy() -> None:
