@@ -189,3 +189,11 @@ def test_policy_unknown_key_is_a_usage_error(toy: pytest.Pytester) -> None:
     result = toy.runpytest(*ROUTE)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*unknown threshold 'ppl_tolerence'*ppl_tolerance*"])
+
+
+def test_merge_into_a_corrupt_report_is_refused_and_keeps_the_file(toy: pytest.Pytester) -> None:
+    (toy.path / "dflash-report.json").write_text('{"schema": "pytest-dflash/report/1", "rou')
+    result = toy.runpytest("-m", "sm70", "--dflash-merge", *ROUTE)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*corrupt report, not valid JSON*left unchanged*"])
+    assert (toy.path / "dflash-report.json").read_text().endswith('"rou')
