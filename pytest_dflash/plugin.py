@@ -113,6 +113,8 @@ def pytest_configure(config: pytest.Config) -> None:
         if not path.exists():
             raise pytest.UsageError(f"--dflash-sidecar {sidecar}: no such file")
         os.environ[SIDECAR_ENV] = str(path)
+    if _option(config, "device") == "cuda":
+        device_info(config)  # an explicit device is checked now, as a usage error
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(EvidenceCollector(config), "dflash-evidence")
 

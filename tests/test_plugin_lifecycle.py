@@ -83,7 +83,9 @@ def test_lifecycle_accept_reject_rerun_merge_refuse(
     # 1. all gates pass -> accept
     result = toy.runpytest("-m", "sm70", *ROUTE)
     result.assert_outcomes(passed=2, deselected=1)
-    result.stdout.fnmatch_lines(["*dflash verdicts*", "toy.add.fast*pass*pass*ACCEPT*"])
+    result.stdout.fnmatch_lines(["dflash: device cpu*capability n/a*torch 2*CUDA none*"
+                                 "profile ci, fingerprint *",
+                                 "*dflash verdicts*", "toy.add.fast*pass*pass*ACCEPT*"])
     report = _report(toy)
     assert report["routes"]["toy.add.fast"]["verdict"] == "accept"
     assert report["fingerprint"]["git_head"]

@@ -35,6 +35,7 @@ def project(pytester: pytest.Pytester) -> pytest.Pytester:
         (["--dflash-gate", "toy.mul.fast"], "*must look like ROUTE:KIND*"),
         (["--dflash-gate", "toy.mul.fast:speed"], "*does not require a speed gate; its gates: "
                                                   "parity*"),
+        (["--dflash-device", "cuda"], "*--dflash-device cuda, but torch sees no CUDA device*"),
         (["--dflash-sidecar", "/no/such/lib.so"], "*--dflash-sidecar /no/such/lib.so: no such "
                                                   "file*"),
     ],
