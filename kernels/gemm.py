@@ -250,7 +250,7 @@ def _finish(y: Tensor, n: int, gated: bool, dtype: torch.dtype) -> Tensor:
 
 class _Route:
     name: str
-    path: str
+    input_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16)
 
     def prepare(self, w: NVFP4Weight) -> Any:
         if not isinstance(w, NVFP4Weight):
@@ -262,12 +262,15 @@ class _Route:
 
     def linear(self, x: Tensor, prepared: Any) -> Tensor:
         """``x @ W^T`` as ``[M, N]`` in x's dtype."""
-        return self._run(_check_x(self.name, x, prepared), prepared, gated=False)
+        return self._run(self._check_x(x, prepared), prepared, gated=False)
 
     def gate_up(self, x: Tensor, prepared: Any) -> Tensor:
         """``silu(x @ Wg^T) * (x @ Wu^T)`` as ``[M, N/2]`` for a fused gate/up weight."""
         _check_gated(self.name, prepared)
-        return self._run(_check_x(self.name, x, prepared), prepared, gated=True)
+        return self._run(self._check_x(x, prepared), prepared, gated=True)
+
+    def _check_x(self, x: Tensor, prepared: Any) -> Tensor:
+        return _check_x(self.name, x, prepared, self.input_dtypes)
 
     def _run(self, x: Tensor, prepared: Any, gated: bool) -> Tensor:
         raise NotImplementedError
@@ -287,12 +290,14 @@ def _dims(prepared: Any) -> tuple[int, int, torch.device]:
     )
 
 
-def _check_x(route: str, x: Tensor, prepared: Any) -> Tensor:
+def _check_x(
+    route: str, x: Tensor, prepared: Any, dtypes: tuple[torch.dtype, ...]
+) -> Tensor:
     n, k, device = _dims(prepared)
     if not isinstance(x, Tensor) or x.dim() != 2:
         shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"{route}: x must be a 2-D tensor [M, K], got {shape}")
-    if x.dtype not in (torch.float32, torch.float16):
+    if x.dtype not in dtypes:
         raise ValueError(
             f"{route}: x has dtype {x.dtype}; this family takes fp32 or fp16 (SM70 has no "
             "bf16): convert with x.float() or x.half()"
@@ -315,9 +320,14 @@ def _check_gated(route: str, prepared: Any) -> int:
 
 
 class OracleRoute(_Route):
-    """Dequantize exactly (fp64) and multiply in fp64: the reference, never promoted."""
+    """Dequantize exactly (fp64) and multiply in fp64: the reference, never promoted.
+
+    Also takes fp64 x (and then returns fp64), so parity gates compare against an oracle that
+    was not rounded to the candidate's output dtype.
+    """
 
     name = f"{FAMILY}.oracle"
+    input_dtypes = (torch.float32, torch.float16, torch.float64)
 
     def _run(self, x: Tensor, w: NVFP4Weight, gated: bool) -> Tensor:
         hits.record(self.name, "fp64")
