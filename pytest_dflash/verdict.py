@@ -27,9 +27,26 @@ def gate_status(tests: Iterable[Mapping[str, Any]]) -> str:
     return PENDING
 
 
+def margin(measurements: Mapping[str, Any]) -> float:
+    """How close a test came to its limit (1.0 = on the limit), from its own measurements.
+
+    Parity tests record ``rel_l2`` and its limit, timing tests ``ci_high`` and the threshold;
+    any test may record ``margin`` itself. Unknown shapes rank last.
+    """
+    pairs = (("margin", None), ("rel_l2", "rel_l2_limit"), ("ci_high", "threshold"))
+    for value_key, limit_key in pairs:
+        value = measurements.get(value_key)
+        limit = measurements.get(limit_key) if limit_key else 1.0
+        if isinstance(value, (int, float)) and isinstance(limit, (int, float)) and limit:
+            return float(value) / float(limit)
+    return float("-inf")
+
+
 def gate_figure(tests: list[Mapping[str, Any]], limit: int = 2) -> str:
-    """The figure that decided the gate: failing tests' figures first, then the others."""
-    ordered = sorted(tests, key=lambda t: t["outcome"] not in FAILING_OUTCOMES)
+    """The figures that decided the gate: failures first, then the tests closest to their limit
+    (so a passed parity gate shows its worst error, not an arbitrary one)."""
+    ordered = sorted(tests, key=lambda t: (t["outcome"] not in FAILING_OUTCOMES,
+                                           -margin(t.get("measurements", {}))))
     figures: list[str] = []
     for test in ordered:
         figure = test.get("measurements", {}).get("figure")

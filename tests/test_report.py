@@ -62,3 +62,17 @@ def test_add_test_replaces_by_node_id() -> None:
         reports.add_test(data, ROUTE.name, "parity", {"nodeid": "t::p", "outcome": outcome})
     assert [t["outcome"] for t in data["routes"][ROUTE.name]["gates"]["parity"]["tests"]] == [
         "passed"]
+
+
+def test_gate_figure_shows_failures_first_then_the_worst_margin() -> None:
+    from pytest_dflash.verdict import gate_figure
+
+    def test(outcome: str, figure: str, rel_l2: float) -> dict:
+        return {"outcome": outcome, "measurements": {"figure": figure, "rel_l2": rel_l2,
+                                                     "rel_l2_limit": 1e-5}}
+
+    tests = [test("passed", "small", 1e-7), test("passed", "worst", 9e-6),
+             test("passed", "middle", 1e-6)]
+    assert gate_figure(tests, limit=1) == "worst (+2 more)"
+    tests.append(test("failed", "broken", 1e-8))
+    assert gate_figure(tests) == "broken; worst (+2 more)"
