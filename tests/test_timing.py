@@ -1,0 +1,201 @@
+"""Tests of pytest_dflash.timing on real, cheap workloads with an unmistakable difference.
+
+The workloads are numpy sums of 2e5 vs 2e6 numbers (10x the work); the tests check decisions,
+outcomes, records and call counts, never a wall-clock value.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pytest_dflash.policy import Policy
+from pytest_dflash.statistics import PairedResult
+from pytest_dflash.timing import cpu_timer, cuda_timer, l2_flush_buffer, speed_gate, timer_for
+
+POLICY = Policy()
+SMALL = np.random.default_rng(0).random(200_000)
+LARGE = np.random.default_rng(1).random(2_000_000)
+RECORD_KEYS = {
+    "figure",
+    "ratio_median",
+    "ci_low",
+    "ci_high",
+    "rounds",
+    "outcome",
+    "threshold",
+    "samples",
+}
+
+
+def small_sum() -> float:
+    return float(SMALL.sum())
+
+
+def large_sum() -> float:
+    return float(LARGE.sum())
+
+
+class Recorder:
+    """Stands in for the dflash_record fixture: keeps every call's keyword arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, **measurements: Any) -> None:
+        self.calls.append(measurements)
+
+
+def test_cpu_timer_times_exactly_one_call():
+    calls = []
+    seconds = cpu_timer(lambda: calls.append(large_sum()))
+    assert len(calls) == 1 and isinstance(seconds, float) and seconds > 0
+
+
+def test_timer_for_picks_the_device_timer():
+    assert timer_for("cpu") is cpu_timer
+    assert timer_for(torch.device("cpu")) is cpu_timer
+    with pytest.raises(ValueError, match="no timer for device type 'meta'"):
+        timer_for("meta")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_timer_for_cuda_without_cuda_says_how_to_fix():
+    with pytest.raises(RuntimeError, match="sees no CUDA device; run with --dflash-device cpu"):
+        timer_for("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA events)")
+def test_cuda_timer_flushes_l2_and_times_one_call():
+    device = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(2048, 2048, device=device)
+    calls = []
+    seconds = cuda_timer(lambda: calls.append(a @ a), device)
+    assert len(calls) == 1 and seconds > 0
+    flush = l2_flush_buffer(device)
+    assert flush is l2_flush_buffer(device)  # cached, never allocated inside the timed loop
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    assert flush.numel() * flush.element_size() == 2 * l2
+    assert int(flush[0]) == 1 and int(flush[-1]) == 1  # overwritten before the timed call
+    assert timer_for(device).func is cuda_timer
+
+
+def test_speed_gate_passes_a_tenfold_cheaper_candidate():
+    record = Recorder()
+    result = speed_gate(
+        small_sum,
+        large_sum,
+        policy=POLICY,
+        device="cpu",
+        record=record,
+        label="sum.small vs sum.large",
+    )
+    assert isinstance(result, PairedResult)
+    assert result.passed and result.outcome == "faster"
+    assert result.ci_high < 1 - POLICY.speed_min_gain
+    assert len(record.calls) == 1
+    rec = record.calls[0]
+    assert RECORD_KEYS <= set(rec)
+    json.dumps(rec, allow_nan=False)
+    assert rec["figure"] == result.figure() and rec["rounds"] == result.rounds
+    assert len(rec["samples"]["candidate"]) == len(rec["samples"]["baseline"]) == result.rounds
+    assert rec["threshold"] == pytest.approx(1 - POLICY.speed_min_gain)
+
+
+def test_speed_gate_rejects_a_tenfold_slower_candidate_and_still_records():
+    record = Recorder()
+    with pytest.raises(AssertionError) as info:
+        speed_gate(
+            large_sum,
+            small_sum,
+            policy=POLICY,
+            device="cpu",
+            record=record,
+            label="sum.large vs sum.small",
+        )
+    msg = str(info.value)
+    assert msg.startswith("sum.large vs sum.small: slower, rejected on speed: ratio ")
+    assert msg.endswith(f"rounds; needs CI upper < {1 - POLICY.speed_min_gain:.3f}")
+    assert record.calls and record.calls[0]["outcome"] == "slower"
+    assert record.calls[0]["ci_low"] > 1
+
+
+def test_no_regression_rule_uses_the_noise_floor():
+    record = Recorder()
+    result = speed_gate(
+        small_sum,
+        large_sum,
+        policy=POLICY,
+        device="cpu",
+        record=record,
+        label="verify.m8",
+        rule="no_regression",
+    )
+    assert result.passed and record.calls[0]["threshold"] == pytest.approx(
+        1 + POLICY.validation_noise_floor
+    )
+    with pytest.raises(
+        AssertionError,
+        match=r"verify\.m8: slower, regression beyond the noise "
+        r"floor: .*needs CI upper <= 1\.010",
+    ):
+        speed_gate(
+            large_sum,
+            small_sum,
+            policy=POLICY,
+            device="cpu",
+            record=record,
+            label="verify.m8",
+            rule="no_regression",
+        )
+
+
+def test_before_each_runs_untimed_before_every_call():
+    """A heavy reset before every call must not dilute the measured ratio."""
+    resets = []
+
+    def reset() -> None:
+        resets.append(float(LARGE.sum() + LARGE.sum()))  # 4e6 numbers: 20x the candidate
+
+    calls = {"candidate": 0, "baseline": 0}
+
+    def candidate() -> float:
+        calls["candidate"] += 1
+        return small_sum()
+
+    def baseline() -> float:
+        calls["baseline"] += 1
+        return large_sum()
+
+    result = speed_gate(
+        candidate,
+        baseline,
+        policy=POLICY,
+        device="cpu",
+        record=Recorder(),
+        label="reset",
+        before_each=reset,
+    )
+    assert calls["candidate"] == calls["baseline"] == result.rounds + POLICY.speed_warmup
+    assert len(resets) == 2 * (result.rounds + POLICY.speed_warmup)
+    # timed with the reset the ratio would be ~(4.2e6 / 6e6) = 0.7; untimed it is ~0.1
+    assert result.median < 0.5
+
+
+def test_speed_gate_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="unknown rule 'fast'"):
+        speed_gate(
+            small_sum,
+            small_sum,
+            policy=POLICY,
+            device="cpu",
+            record=Recorder(),
+            label="x",
+            rule="fast",
+        )
+    with pytest.raises(TypeError, match="zero-argument callables"):
+        speed_gate(small_sum, 3, policy=POLICY, device="cpu", record=Recorder(), label="x")
