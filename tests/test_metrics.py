@@ -1,4 +1,4 @@
-"""The shipped evaluate metrics, loaded by absolute path, against direct formulas and known values."""
+"""The shipped evaluate metrics, loaded by absolute path, vs direct formulas and known values."""
 
 from __future__ import annotations
 
