@@ -38,7 +38,8 @@ def _timer(rng: np.random.Generator, mean_s: float, sigma: float = NOISE) -> Cal
     return lambda: mean_s * float(rng.lognormal(0.0, sigma))
 
 
-def _compare(true_ratio: float, rule: str, sim: int, policy: Policy = POLICY) -> PairedResult:
+def _compare(true_ratio: float, rule: str, sim: int) -> PairedResult:
+    policy = POLICY
     noise = np.random.default_rng([20261129, sim])
     return paired_compare(
         _timer(noise, 1e-3 * true_ratio),
