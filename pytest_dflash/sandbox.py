@@ -77,7 +77,6 @@ try:
     WORKDIR = os.path.realpath(cfg["workdir"])
     with open(cfg["program"], encoding="utf-8") as fh:
         source = fh.read()
-    code = compile(source, cfg["program"], "exec")
 
     def _deny(what):
         def denied(*args, **kwargs):
@@ -171,6 +170,7 @@ except BaseException as exc:
 
 _status = 0
 try:
+    code = compile(source, cfg["program"], "exec")
     exec(code, {"__name__": "__main__", "__builtins__": builtins})
 except SystemExit as exc:
     sys.stderr.write(f"dflash-sandbox: the program raised SystemExit({exc.code!r}); scored as a "

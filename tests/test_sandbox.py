@@ -41,6 +41,12 @@ def test_failing_assert_fails():
     assert "AssertionError: wrong sum" in result.stderr_tail
 
 
+def test_syntax_error_is_a_failure_not_a_sandbox_error():
+    result = run("def broken(:\n    pass\n")
+    assert result.status == "failed"
+    assert "SyntaxError" in result.stderr_tail
+
+
 def test_exit_zero_before_tests_is_not_a_pass():
     result = run("import sys\nsys.exit(0)\nassert False\n")
     assert result.status == "failed", result.stderr_tail
