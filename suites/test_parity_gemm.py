@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 import torch
-
 from dflash_kernels.gemm import FAMILY, MAX_VERIFY_M, as_gemm_route
 from dflash_kernels.nvfp4 import NVFP4Weight, quantize
+
 from pytest_dflash import hits
 from pytest_dflash.numerics import ParityResult, assert_bitwise_equal, check_parity
 from pytest_dflash.policy import Policy
@@ -52,11 +52,15 @@ ODD_SHAPE = (128, 90)
 
 
 def layer_shape(layer: str, profile: str) -> tuple[int, int]:
-    """(K, N) of a target layer scaled for ``profile``; K rounded up to the QPN K % 64
-    contract, N kept even (fused gate/up) and otherwise unaligned (exercises padding)."""
+    """(K, N) of a target layer scaled for ``profile``: K rounded up to the QPN K % 64
+    contract, N scaled down; the fused gate/up N stays twice the down projection's K, so
+    the MLP still chains (full: 8704 = 2 x 4352)."""
+    if layer == "gate_up":
+        k = layer_shape("qkv", profile)[0]
+        return k, 2 * layer_shape("down", profile)[0]
     k, n = TARGET_LAYERS[layer]
     div = PROFILE_DIVISOR[profile]
-    return math.ceil(k / div / 64) * 64, (n // div) // 2 * 2
+    return math.ceil(k / div / 64) * 64, n // div
 
 
 def large_m(profile: str) -> int:
