@@ -63,8 +63,8 @@ PROGRAM_EXITED = 121
 _UNPRIVILEGED_FALLBACK_UID = 65534
 
 # The bootstrap runs inside the child before the program: limits, guards, then exec of the program.
-# It is a fixed string (no formatting) and reads its configuration from argv[1] as JSON.
-_BOOTSTRAP = r"""
+# It reads its configuration from argv[1] as JSON; only the two exit statuses are filled in here.
+_BOOTSTRAP_TEMPLATE = r"""
 import sys
 _real_exit = __import__("os")._exit
 try:
@@ -166,7 +166,7 @@ try:
 except BaseException as exc:
     sys.stderr.write(f"dflash-sandbox: setup failed: {type(exc).__name__}: {exc}\n")
     sys.stderr.flush()
-    _real_exit(120)
+    _real_exit(@SETUP_FAILED@)
 
 _status = 0
 try:
@@ -175,7 +175,7 @@ try:
 except SystemExit as exc:
     sys.stderr.write(f"dflash-sandbox: the program raised SystemExit({exc.code!r}); scored as a "
                      "failure because its tests may not have run\n")
-    _status = 121
+    _status = @PROGRAM_EXITED@
 except BaseException:
     import traceback
     traceback.print_exc()
@@ -187,6 +187,9 @@ except BaseException:
     _status = _status or 1
 _real_exit(_status)
 """
+_BOOTSTRAP = _BOOTSTRAP_TEMPLATE.replace("@SETUP_FAILED@", str(SETUP_FAILED)).replace(
+    "@PROGRAM_EXITED@", str(PROGRAM_EXITED)
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,6 +422,13 @@ def run_untrusted(
     """
     if not isinstance(program, str):
         raise TypeError(f"program must be Python source text (str), got {type(program).__name__}")
+    try:
+        program.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"program is not encodable as UTF-8 ({exc.reason} at index {exc.start}); decode model "
+            "output with errors='replace' before scoring it"
+        ) from None
     _check_limits(timeout_s, memory_mb, cpu_s, max_procs, max_file_bytes)
     with _launcher_lock:
         launcher = _launcher()

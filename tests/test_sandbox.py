@@ -338,3 +338,8 @@ def test_isolation_reports_every_barrier():
 def test_bad_limits_are_clear_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
         run("pass", **overrides)
+
+
+def test_unencodable_program_is_a_clear_error():
+    with pytest.raises(ValueError, match="program is not encodable as UTF-8"):
+        run("x = '\ud800'\n")
