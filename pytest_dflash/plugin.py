@@ -433,7 +433,7 @@ class EvidenceCollector:
         evidence = reports.new_report(
             routes=self.state.candidates(), fingerprint=_fingerprint(config),
             device=device_info(config), profile=profile_of(config),
-            policy=self.state.policy.as_dict())
+            policy=_policy_echo(self.state.policy))
         for test in self.tests.values():
             entry = {k: v for k, v in test.items() if k not in ("route", "kind")}
             reports.add_test(evidence, test["route"], test["kind"], entry)
@@ -471,6 +471,13 @@ class EvidenceCollector:
             tr.write_line(f"report: {self.report_path}")
         for problem in self.problems:
             tr.write_line(f"dflash: {problem}", red=True, bold=True)
+
+
+def _policy_echo(policy: Policy) -> dict[str, Any]:
+    """The thresholds as printed in the report: the policy plus the fixed output contract."""
+    from pytest_dflash.quality import CONTRACT
+
+    return {**policy.as_dict(), "output_contract": CONTRACT.as_dict()}
 
 
 def _first_line(report: pytest.TestReport) -> str:

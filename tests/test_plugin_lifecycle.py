@@ -184,6 +184,7 @@ def test_policy_override_from_pyproject_is_echoed(toy: pytest.Pytester) -> None:
     policy = _report(toy)["policy"]
     assert policy["ppl_tolerance"] == 0.02
     assert policy["validation_noise_floor"] == 0.01
+    assert policy["output_contract"]["max_same_token_run"] == 48
 
 
 def test_policy_unknown_key_is_a_usage_error(toy: pytest.Pytester) -> None:
