@@ -1,0 +1,217 @@
+"""Family ``attn.d256``: causal prefill attention with head dim 256 (DESIGN 5).
+
+Every route is an object with the same two calls, writing into a caller-owned ``out``:
+
+* ``dense(q, k, v, out, softmax_scale, causal)``: q ``[Tq, Hq, 256]``, k/v ``[Tk, Hkv, 256]``,
+  Tk >= Tq, the queries being the LAST Tq positions (so with ``causal`` row r sees keys
+  ``0 .. Tk - Tq + r``: a bottom-right aligned mask, which is what a prefill continuing a cached
+  prefix needs);
+* ``paged(q, k_cache, v_cache, block_table, kv_len, out, softmax_scale, causal)``: keys/values in
+  a paged cache ``[num_blocks, block_size, Hkv, 256]``, position p at block
+  ``block_table[p // block_size]``, row ``p % block_size``.
+
+Routes: ``ORACLE`` (fp64 math, cast to the output dtype), ``SDPA`` (the baseline every engine
+has: torch ``scaled_dot_product_attention``), ``FA2`` (the native ``dflash_d256`` ops through the
+loader; raises if they are not real, because choosing the fallback is the route selection's job,
+never a silent decision inside the call). Each call records a route hit, so gates can prove which
+route ran.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pytest_dflash import hits
+from pytest_dflash.loader import NAMESPACE, LoaderStatus, load_d256
+
+FAMILY = "attn.d256"
+HEAD_DIM = 256
+_ORACLE_ROWS = 1024  # query rows per fp64 chunk: bounds the score matrix to rows x Tk doubles
+
+
+def _check_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    if q.dim() != 3 or q.shape[2] != HEAD_DIM:
+        raise ValueError(f"q must be [Tq, Hq, {HEAD_DIM}], got {tuple(q.shape)}")
+    if k.dim() != 3 or k.shape[2] != HEAD_DIM or v.shape != k.shape:
+        raise ValueError(f"k and v must both be [Tk, Hkv, {HEAD_DIM}], got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"Hq ({q.shape[1]}) must be a multiple of Hkv ({k.shape[1]})")
+    if k.shape[0] < q.shape[0]:
+        raise ValueError(f"Tk ({k.shape[0]}) must be >= Tq ({q.shape[0]}): the queries are the "
+                         "last Tq of the Tk positions")
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} "
+                         f"{out.dtype}")
+
+
+def gather_pages(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, kv_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``kv_len`` positions of a paged K/V cache as dense ``[kv_len, Hkv, 256]``."""
+    if k_cache.dim() != 4 or k_cache.shape[3] != HEAD_DIM or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, "
+                         f"{HEAD_DIM}], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if block_table.dim() != 1 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be a 1-D int32 tensor, got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    num_blocks, block_size = k_cache.shape[:2]
+    if not 0 <= kv_len <= block_table.shape[0] * block_size:
+        raise ValueError(f"kv_len ({kv_len}) must be in [0, len(block_table) * block_size] = "
+                         f"[0, {block_table.shape[0] * block_size}]")
+    used = block_table[: -(-kv_len // block_size)].long()
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+        raise ValueError(f"block_table holds block ids outside [0, {num_blocks}): "
+                         f"{used.tolist()}")
+    k = k_cache.index_select(0, used).flatten(0, 1)[:kv_len]
+    v = v_cache.index_select(0, used).flatten(0, 1)[:kv_len]
+    return k, v
+
+
+def causal_mask(tq: int, tk: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool ``[Tq, Tk]``, True where query row r may see key c: ``c <= Tk - Tq + r``."""
+    return torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
+) -> torch.Tensor:
+    """Attention in fp64 on q's device, ``[Tq, Hq, 256]`` float64: the oracle's arithmetic.
+
+    Chunked over query rows so a long prefix does not need a full fp64 score matrix.
+    """
+    tq, hq, _ = q.shape
+    tk, hkv, _ = k.shape
+    group = hq // hkv
+    qd = q.double().permute(1, 0, 2)  # [Hq, Tq, D]
+    kd = k.double().permute(1, 0, 2).repeat_interleave(group, 0)  # [Hq, Tk, D]
+    vd = v.double().permute(1, 0, 2).repeat_interleave(group, 0)
+    out = torch.empty(hq, tq, HEAD_DIM, dtype=torch.float64, device=q.device)
+    for r0 in range(0, tq, _ORACLE_ROWS):
+        r1 = min(tq, r0 + _ORACLE_ROWS)
+        scores = torch.matmul(qd[:, r0:r1], kd.transpose(1, 2)) * softmax_scale
+        if causal:
+            visible = causal_mask(tq, tk, q.device)[r0:r1]
+            scores.masked_fill_(~visible, float("-inf"))
+        out[:, r0:r1] = torch.matmul(scores.softmax(-1), vd)
+    return out.permute(1, 0, 2)
+
+
+class _Route:
+    """Shared calling contract; subclasses implement ``_dense``."""
+
+    route = ""
+
+    def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              softmax_scale: float, causal: bool) -> None:
+        _check_dense(q, k, v, out)
+        hits.record(self.route, "dense")
+        self._dense(q, k, v, out, softmax_scale, causal)
+
+    def paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              block_table: torch.Tensor, kv_len: int, out: torch.Tensor,
+              softmax_scale: float, causal: bool) -> None:
+        k, v = gather_pages(k_cache, v_cache, block_table, kv_len)
+        _check_dense(q, k, v, out)
+        hits.record(self.route, "paged")
+        self._dense(q, k, v, out, softmax_scale, causal)
+
+    def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               softmax_scale: float, causal: bool) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{self.route}>"
+
+
+class OracleAttention(_Route):
+    """fp64 math in torch, cast to the output dtype: the reference every route is judged by."""
+
+    route = f"{FAMILY}.oracle"
+
+    def _dense(self, q, k, v, out, softmax_scale, causal) -> None:
+        out.copy_(reference_attention(q, k, v, softmax_scale, causal))
+
+
+class SdpaAttention(_Route):
+    """torch ``scaled_dot_product_attention``: the fallback every engine has (baseline).
+
+    GQA without copies: q is viewed as batch = Hkv, heads = G = Hq / Hkv, and k/v are expanded
+    over G with stride 0. Causal with Tq < Tk needs a bottom-right aligned mask, which SDPA's
+    ``is_causal`` (top-left aligned) is not, so an explicit mask is passed there.
+    """
+
+    route = f"{FAMILY}.sdpa"
+
+    def _dense(self, q, k, v, out, softmax_scale, causal) -> None:
+        tq, hq, d = q.shape
+        tk, hkv, _ = k.shape
+        group = hq // hkv
+        qh = q.view(tq, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
+        kh = k.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
+        vh = v.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
+        mask = None
+        if causal and tq != tk:
+            mask = causal_mask(tq, tk, q.device)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
+                                           is_causal=causal and tq == tk, scale=softmax_scale)
+        out.view(tq, hkv, group, d).copy_(o.permute(2, 0, 1, 3))
+
+
+class Fa2Attention(_Route):
+    """The native ``dflash_d256`` ops (tiled online softmax, fp32 accumulation), via the loader.
+
+    Calls fail with the loader's status when the ops are not real: a benchmark or an engine run
+    of a silent fallback would be evidence for the wrong code.
+    """
+
+    route = f"{FAMILY}.fa2"
+
+    def status(self) -> LoaderStatus:
+        return fa2_status()
+
+    def ops(self) -> dict[str, Any]:
+        """The op handles (``torch.ops.dflash_d256.*``) for ``torch.library.opcheck``."""
+        self._require()
+        ns = getattr(torch.ops, NAMESPACE)
+        return {"dense": ns.dense, "paged": ns.paged}
+
+    def _require(self, device: torch.device | None = None) -> Any:
+        status = fa2_status(device.type if device is not None else "cpu")
+        if not status.ok:
+            raise RuntimeError(
+                f"{self.route}: the native ops are not real here ({status.summary()}). Select "
+                f"the fallback route {FAMILY}.sdpa instead; {self.route} never falls back itself"
+            )
+        return getattr(torch.ops, NAMESPACE)
+
+    def dense(self, q, k, v, out, softmax_scale, causal) -> None:
+        ops = self._require(q.device)
+        hits.record(self.route, "dense")
+        ops.dense(q, k, v, out, float(softmax_scale), bool(causal))
+
+    def paged(self, q, k_cache, v_cache, block_table, kv_len, out, softmax_scale,
+              causal) -> None:
+        ops = self._require(q.device)
+        hits.record(self.route, "paged")
+        ops.paged(q, k_cache, v_cache, block_table, int(kv_len), out, float(softmax_scale),
+                  bool(causal))
+
+    def dense_splitkv(self, q, k, v, out, softmax_scale, causal, num_splits: int) -> None:
+        """Optional variant for very long KV: keys split ``num_splits`` ways, merged exactly."""
+        ops = self._require(q.device)
+        hits.record(self.route, "dense_splitkv")
+        ops.dense_splitkv(q, k, v, out, float(softmax_scale), bool(causal), int(num_splits))
+
+
+def fa2_status(device: str = "cpu") -> LoaderStatus:
+    """The loader's status for the native ops (bundled build, or ``$DFLASH_D256_LIBRARY``)."""
+    return load_d256(device=device)
+
+
+ORACLE = OracleAttention()
+SDPA = SdpaAttention()
+FA2 = Fa2Attention()
