@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pytest_dflash import hits
-from pytest_dflash.loader import NAMESPACE, LoaderStatus, load_d256
+from pytest_dflash.loader import NAMESPACE, LoaderStatus, current_status
 
 FAMILY = "attn.d256"
 HEAD_DIM = 256
@@ -208,8 +208,10 @@ class Fa2Attention(_Route):
 
 
 def fa2_status(device: str = "cpu") -> LoaderStatus:
-    """The loader's status for the native ops (bundled build, or ``$DFLASH_D256_LIBRARY``)."""
-    return load_d256(device=device)
+    """The loader's status for the native ops: the process's current one (see
+    :func:`pytest_dflash.loader.current_status`): the bundled build, or the sidecar given to
+    the loader or in ``$DFLASH_D256_LIBRARY``."""
+    return current_status(device)
 
 
 ORACLE = OracleAttention()

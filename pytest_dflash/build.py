@@ -47,7 +47,7 @@ def csrc_dir() -> Path:
 
 
 def default_cache_dir() -> Path:
-    """``$DFLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/pytest-dflash`` (``~/.cache/pytest-dflash``)."""
+    """``$DFLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/pytest-dflash`` (~/.cache/pytest-dflash)."""
     env = os.environ.get("DFLASH_CACHE_DIR")
     if env:
         return Path(env).expanduser()
@@ -70,7 +70,9 @@ def _compiler_version(cxx: str) -> str:
     try:
         done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
     except OSError as exc:
-        raise BuildError(f"C++ compiler {cxx!r} cannot run: {exc}; set CXX to a working g++") from None
+        raise BuildError(
+            f"C++ compiler {cxx!r} cannot run: {exc}; set CXX to a working g++"
+        ) from None
     return done.stdout.splitlines()[0] if done.stdout else cxx
 
 
@@ -166,14 +168,15 @@ def bundled_library_path(cache_dir: Path | None = None) -> Path:
 
 
 def main_build(argv: list[str] | None = None) -> int:
-    """``pytest-dflash build``: compile ahead of time (e.g. in a Docker layer) and print the path."""
+    """``pytest-dflash build``: compile ahead of time (e.g. in a Docker layer), print the path."""
     parser = argparse.ArgumentParser(
         prog="pytest-dflash build",
         description="Build the bundled D256 attention library into the per-user cache.",
     )
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="full")
     parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="cache directory (default: $DFLASH_CACHE_DIR or ~/.cache/pytest-dflash)")
+                        help="cache directory (default: $DFLASH_CACHE_DIR or "
+                        "~/.cache/pytest-dflash)")
     args = parser.parse_args(argv)
     try:
         path = build_library(args.variant, args.cache_dir)

@@ -80,7 +80,9 @@ class LoaderStatus:
 
     def summary(self) -> str:
         """One line for messages: state, file and what is wrong."""
-        where = f" from {self.path} (sha256 {self.sha256[:12]})" if self.path and self.sha256 else ""
+        where = ""
+        if self.path and self.sha256:
+            where = f" from {self.path} (sha256 {self.sha256[:12]})"
         text = f"{NAMESPACE} ops {self.state}{where} on {self.device}"
         missing = self.missing_ops()
         if missing:
@@ -106,6 +108,7 @@ class _Loaded:
 _LOADED: dict[str, _Loaded] = {}
 _OWNER: str | None = None  # realpath of the library that registered NAMESPACE
 _STATUS: dict[tuple[str, str | None, str], LoaderStatus] = {}
+_CURRENT: dict[str, LoaderStatus] = {}  # device -> status of the latest load_d256 call
 
 
 def loaded_libraries() -> list[dict[str, str]]:
@@ -188,7 +191,9 @@ def probe_library(path: Path) -> list[str]:
     try:
         return list(json.loads(done.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
-        raise LoaderError(f"probe load of {path} printed no op list: {done.stdout[-300:]!r}") from None
+        raise LoaderError(
+            f"probe load of {path} printed no op list: {done.stdout[-300:]!r}"
+        ) from None
 
 
 def _last_error_line(stderr: str) -> str:
@@ -265,7 +270,6 @@ def _verify(op: str, device: str) -> dict[str, Any]:
 def _tiny_call_error(op: str, device: Any) -> float:
     """Max abs error of one small GQA causal call (Tq < Tk, odd sizes) against fp64 math."""
     import torch
-
     from dflash_kernels.attention import reference_attention
 
     gen = torch.Generator().manual_seed(20261129)
@@ -325,6 +329,7 @@ def load_d256(
     side = _sidecar_from(sidecar)
     key = (str(bundled), str(side.resolve()) if side else None, str(device))
     if key in _STATUS:
+        _CURRENT[str(device)] = _STATUS[key]
         return _STATUS[key]
     status = LoaderStatus(state="missing", device=str(device))
     errors: list[str] = []
@@ -381,4 +386,16 @@ def load_d256(
         status.warnings.append(message)
         warnings.warn(DflashFallbackWarning(message), stacklevel=2)
     _STATUS[key] = status
+    _CURRENT[str(device)] = status
     return status
+
+
+def current_status(device: str = "cpu") -> LoaderStatus:
+    """The status this process runs with: that of the latest :func:`load_d256` call for
+    ``device`` (e.g. the session's, with its ``--dflash-sidecar``), or the default load if none.
+
+    Routes ask this rather than calling :func:`load_d256` themselves, so an engine or a gate
+    that configured the loader explicitly is never second-guessed by a default load.
+    """
+    status = _CURRENT.get(str(device))
+    return status if status is not None else load_d256(device=device)
