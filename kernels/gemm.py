@@ -181,6 +181,25 @@ def _decode_tiles(codes: Tensor, scales: Tensor, index: Tensor, values: Tensor) 
     return values.view(t * TILE_N, g * GROUP_K)
 
 
+_scratch_local = threading.local()
+
+
+def _small_m_scratch(nbytes: int, device: torch.device) -> Tensor:
+    """Per-thread, per-device scratch of the small-M path, kept between calls.
+
+    Allocating a fresh megabyte or two per call costs page faults that are a visible share
+    of an M <= 8 call on CPU and make its time jitter; the split-K slice is bounded by
+    ``SPLIT_K``, so this stays at most ``Np * SPLIT_K * 6`` bytes.
+    """
+    buffers = getattr(_scratch_local, "buffers", None)
+    if buffers is None:
+        buffers = _scratch_local.buffers = {}
+    buf = buffers.get(device)
+    if buf is None or buf.numel() < nbytes:
+        buf = buffers[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf[:nbytes]
+
+
 def _qpn2_small_m(x32: Tensor, codes: Tensor, scales: Tensor, global_scale: float) -> Tensor:
     """The small-M kernel: fp32 ``[M, Np]`` from QPN2 codes and raw E4M3 scale bytes.
 
@@ -197,9 +216,10 @@ def _qpn2_small_m(x32: Tensor, codes: Tensor, scales: Tensor, global_scale: floa
     scales32 = _e4m3_fp32(scales)
     split_groups = SPLIT_K // GROUP_K
     width = min(split_groups, groups)
-    index = torch.empty(n_padded * width * BYTES_PER_GROUP_COLUMN, dtype=torch.int32,
-                        device=device)
-    values = torch.empty(n_padded * width * GROUP_K, dtype=torch.float32, device=device)
+    n_index = n_padded * width * BYTES_PER_GROUP_COLUMN
+    scratch = _small_m_scratch(6 * 4 * n_index // 2, device)  # int32 index + 2x fp32 values
+    index = scratch[: 4 * n_index].view(torch.int32)
+    values = scratch[4 * n_index :].view(torch.float32)
     out = torch.zeros(m, n_padded, dtype=torch.float32, device=device)
     for r0 in range(0, m, QPN2_MAX_M):
         hits.record(QPN2.name, "small_m")
