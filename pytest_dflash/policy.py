@@ -30,6 +30,8 @@ class Policy:
     seed: int = 20261129
     # validation_cost: every M's CI upper bound <= 1 + noise floor
     validation_noise_floor: float = 0.01
+    # ~1000 rounds are needed to bound a 1% regression under 5% noise (tests/test_statistics.py)
+    validation_max_rounds: int = 1536
     validation_max_m: int = 8
     # parity: err(candidate) <= k * err(same-dtype torch reference) + floor, and relative L2
     parity_k: float = 2.0

@@ -160,6 +160,13 @@ def threshold_for(rule: str, policy: Policy) -> float:
     raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(RULES)}")
 
 
+def max_rounds_for(rule: str, policy: Policy) -> int:
+    """Round cap of ``rule``: proving "at most 1% slower" under 5% per-run noise needs the CI
+    half-width below ~0.5%, i.e. ~1000 rounds, far more than a gain gate needs to decide."""
+    threshold_for(rule, policy)  # validates the rule name
+    return policy.validation_max_rounds if rule == "no_regression" else policy.speed_max_rounds
+
+
 def paired_compare(
     run_candidate: Callable[[], float],
     run_baseline: Callable[[], float],

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from pytest_dflash.policy import Policy
-from pytest_dflash.statistics import PairedResult, paired_compare, threshold_for
+from pytest_dflash.statistics import PairedResult, max_rounds_for, paired_compare, threshold_for
 
 # Flush buffers are allocated once per device: allocating inside the timed loop would put
 # allocator work and its synchronisation next to every measurement.
@@ -129,7 +129,7 @@ def speed_gate(
         timed(candidate),
         timed(baseline),
         rounds=policy.speed_rounds,
-        max_rounds=policy.speed_max_rounds,
+        max_rounds=max_rounds_for(rule, policy),
         confidence=policy.speed_confidence,
         resamples=policy.bootstrap_resamples,
         seed=policy.seed + zlib.crc32(label.encode()),
