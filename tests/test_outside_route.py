@@ -1,0 +1,78 @@
+"""A route registered by another project is gated by the shipped suites exactly like ours.
+
+The outside project is a plugin module (``-p mine_routes``) registering two attn.d256
+candidates written in plain torch: a correct one, accepted on parity, and one whose softmax
+scale is 1% off, which the same shipped parity suite must reject.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+ROUTES = '''
+import torch
+
+from pytest_dflash import Route, hits
+
+
+class Attention:
+    """attn.d256 contract in plain torch: fp32 math, GQA, bottom-right causal mask."""
+
+    def __init__(self, name, scale_error=1.0):
+        self.name, self.scale_error = name, scale_error
+
+    def _attend(self, q, k, v, out, softmax_scale, causal):
+        tq, hq, _ = q.shape
+        tk, hkv, _ = k.shape
+        rep = hq // hkv
+        qf = q.float().transpose(0, 1)
+        kf = k.float().repeat_interleave(rep, dim=1).transpose(0, 1)
+        vf = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
+        scores = qf @ kf.transpose(1, 2) * (softmax_scale * self.scale_error)
+        if causal:
+            rows = torch.arange(tq).unsqueeze(1) + (tk - tq)
+            scores = scores.masked_fill(torch.arange(tk).unsqueeze(0) > rows, float("-inf"))
+        out.copy_((scores.softmax(-1) @ vf).transpose(0, 1).to(out.dtype))
+
+    def dense(self, q, k, v, out, softmax_scale, causal):
+        hits.record(self.name, "dense")
+        self._attend(q, k, v, out, softmax_scale, causal)
+
+    def paged(self, q, k_cache, v_cache, block_table, kv_len, out, softmax_scale, causal):
+        hits.record(self.name, "paged")
+        blocks = block_table.long()
+        k = k_cache[blocks].flatten(0, 1)[:kv_len]
+        v = v_cache[blocks].flatten(0, 1)[:kv_len]
+        self._attend(q, k, v, out, softmax_scale, causal)
+
+
+def pytest_dflash_routes(registry):
+    registry.register(Route("attn.d256.mine", "attn.d256", "candidate",
+                            baseline="attn.d256.sdpa", gates=("parity",),
+                            impl=Attention("attn.d256.mine")))
+    registry.register(Route("attn.d256.wrongscale", "attn.d256", "candidate",
+                            baseline="attn.d256.sdpa", gates=("parity",),
+                            impl=Attention("attn.d256.wrongscale", scale_error=1.01)))
+'''
+
+
+def test_outside_routes_are_gated_by_the_shipped_parity_suite(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(mine_routes=ROUTES)
+    pytester.syspathinsert()
+    report = pytester.path / "outside-report.json"
+    result = pytester.runpytest(
+        "-p", "mine_routes", "--pyargs", "dflash_suites", "-m", "parity",
+        "--dflash-route", "attn.d256.mine", "--dflash-route", "attn.d256.wrongscale",
+        "--dflash-profile", "quick", "--dflash-report", str(report), "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["attn.d256.mine*pass*ACCEPT*",
+                                 "attn.d256.wrongscale*FAIL*REJECT*"])
+    routes = json.loads(report.read_text())["routes"]
+    assert set(routes) == {"attn.d256.mine", "attn.d256.wrongscale"}
+    mine = routes["attn.d256.mine"]["gates"]["parity"]["tests"]
+    wrong = routes["attn.d256.wrongscale"]["gates"]["parity"]["tests"]
+    assert len(mine) == len(wrong) >= 4, "both routes must face the same parity tests"
+    assert all(t["outcome"] == "passed" for t in mine)
+    assert any(t["outcome"] == "failed" and "parity cases failed" in t["message"] for t in wrong)
