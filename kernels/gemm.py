@@ -408,7 +408,9 @@ class TurbomindRoute(_Route):
 
 
 class QPN2Route(_Route):
-    """The small-M path over QPN2 codes (rows served in blocks of 32)."""
+    """The small-M path over QPN2 codes (rows served in blocks of 32), called as the
+    registered op ``dflash_gemm::qpn2_linear``, as the stack ships its decode/verify GEMV:
+    the validation_cost gate then compares op against op, not op against a bare function."""
 
     name = f"{FAMILY}.qpn2"
 
@@ -416,9 +418,7 @@ class QPN2Route(_Route):
         return prepare_qpn2(super().prepare(w))
 
     def _run(self, x: Tensor, w: QPNWeight, gated: bool) -> Tensor:
-        codes = tile_view(w.qpn2, w.tiles, w.groups)
-        return _finish(_qpn2_small_m(x.float(), codes, w.scales, w.global_scale), w.n, gated,
-                       x.dtype)
+        return _QPN2_OP(x, w.buffer, w.scales, w.global_scale, w.n, w.k, gated)
 
 
 class QPN4BoundedRoute(_Route):
@@ -513,20 +513,16 @@ def _qpn2_packed_linear(
     very kernel the qpn4_bounded / qpn2 routes call, so type-A parity holds by construction.
     """
     _check_min_prefill_m(min_prefill_m)
-    tiles, groups = scales.shape[0], scales.shape[1]
-    n_padded = tiles * TILE_N
-    x32 = x.float()
-    if x.shape[0] >= min_prefill_m:
-        hits.record(QPN2_PACKED.name, "large_m")
-        workspace = shared_workspace(x.device)
-        if workspace.bound_bytes != workspace_bytes:
-            workspace.set_bound(workspace_bytes)
-        codes = tile_view(buffer.view(k, n_padded // 2), tiles, groups)
-        y = _qpn4_bounded_large_m(x32, codes, scales, scales_fp16, global_scale, workspace)
-    else:
+    if x.shape[0] < min_prefill_m:
         hits.record(QPN2_PACKED.name, "small_m")
-        codes = tile_view(buffer.view(n_padded, k // 2), tiles, groups)
-        y = _qpn2_small_m(x32, codes, scales, global_scale)
+        return _qpn2_linear(x, buffer, scales, global_scale, n, k, gated)
+    hits.record(QPN2_PACKED.name, "large_m")
+    workspace = shared_workspace(x.device)
+    if workspace.bound_bytes != workspace_bytes:
+        workspace.set_bound(workspace_bytes)
+    tiles, groups = scales.shape[0], scales.shape[1]
+    codes = tile_view(buffer.view(k, tiles * TILE_N // 2), tiles, groups)
+    y = _qpn4_bounded_large_m(x.float(), codes, scales, scales_fp16, global_scale, workspace)
     return _finish(y, n, gated, x.dtype)
 
 
@@ -545,17 +541,40 @@ def _qpn2_packed_fake(
     return x.new_empty(x.shape[0], n // 2 if gated else n)
 
 
+def _qpn2_linear(
+    x: Tensor, buffer: Tensor, scales: Tensor, global_scale: float, n: int, k: int, gated: bool
+) -> Tensor:
+    """The qpn2 op's implementation (and the qpn2_packed op's small-M branch): the QPN2 view
+    ``[Np, K/2]`` of the buffer, the small-M kernel, slice and cast."""
+    tiles, groups = scales.shape[0], scales.shape[1]
+    codes = tile_view(buffer.view(tiles * TILE_N, k // 2), tiles, groups)
+    return _finish(_qpn2_small_m(x.float(), codes, scales, global_scale), n, gated, x.dtype)
+
+
+def _qpn2_linear_fake(
+    x: Tensor, buffer: Tensor, scales: Tensor, global_scale: float, n: int, k: int, gated: bool
+) -> Tensor:
+    return x.new_empty(x.shape[0], n // 2 if gated else n)
+
+
 # torch.library.Library + impl rather than torch.library.custom_op: same registration in the
-# dispatcher, but about 4 us per call instead of about 20 us, which matters at M <= 8 where the
-# validation_cost gate allows 1%.
+# dispatcher, but about 6-10 us per call instead of about 20 us, which matters at M <= 8 where
+# the validation_cost gate allows 1%.
 _LIB = torch.library.Library("dflash_gemm", "DEF")
+_LIB.define(
+    "qpn2_linear(Tensor x, Tensor buffer, Tensor scales, float global_scale, int n, int k, "
+    "bool gated) -> Tensor"
+)
 _LIB.define(
     "qpn2_packed_linear(Tensor x, Tensor buffer, Tensor scales, Tensor? scales_fp16, "
     "float global_scale, int n, int k, int min_prefill_m, int workspace_bytes, bool gated) "
     "-> Tensor"
 )
+_LIB.impl("qpn2_linear", _qpn2_linear, "CompositeExplicitAutograd")
 _LIB.impl("qpn2_packed_linear", _qpn2_packed_linear, "CompositeExplicitAutograd")
+torch.library.register_fake("dflash_gemm::qpn2_linear", _qpn2_linear_fake, lib=_LIB)
 torch.library.register_fake("dflash_gemm::qpn2_packed_linear", _qpn2_packed_fake, lib=_LIB)
+_QPN2_OP = torch.ops.dflash_gemm.qpn2_linear.default
 _QPN2_PACKED_OP = torch.ops.dflash_gemm.qpn2_packed_linear.default
 
 

@@ -136,12 +136,15 @@ def test_dispatch_branch_is_inside_the_registered_op() -> None:
     assert delta.counts[("gemm.nvfp4.qpn2_packed", "large_m")] == 1
 
 
-def test_dispatch_op_registration_passes_opcheck() -> None:
+def test_op_registrations_pass_opcheck() -> None:
     w = QPN2_PACKED.prepare(_weight())
+    checks = ("test_schema", "test_faketensor")
     for m in (3, 40):
         args = (_x(m), w.buffer, w.scales, None, w.global_scale, w.n, w.k, 33, 2**24, False)
         torch.library.opcheck(torch.ops.dflash_gemm.qpn2_packed_linear.default, args,
-                              test_utils=("test_schema", "test_faketensor"))
+                              test_utils=checks)
+    args = (_x(5), w.buffer, w.scales, w.global_scale, w.n, w.k, True)
+    torch.library.opcheck(torch.ops.dflash_gemm.qpn2_linear.default, args, test_utils=checks)
 
 
 def test_broken_dispatch_fails_the_validation_cost_gate() -> None:
