@@ -1,0 +1,105 @@
+"""The bundled build: cache keyed by sources + torch + compiler + flags, safe under concurrent
+builders, never in the source tree, clear errors when the compiler fails.
+
+The concurrency test runs two real ``pytest-dflash build`` processes against one empty cache,
+so it compiles for real once (about 20 s on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_dflash import build
+
+
+def test_cached_library_is_reused_without_rebuilding():
+    first = build.build_library("full")
+    stamp = first.stat().st_mtime_ns
+    again = build.build_library("full")
+    assert again == first and again.stat().st_mtime_ns == stamp
+    assert first.name == "libdflash_d256_full.so"
+    assert build.csrc_dir() not in first.parents
+
+
+def test_variants_have_distinct_keys():
+    assert build.build_key("full")[0] != build.build_key("dense_only")[0]
+    assert "-DDFLASH_DENSE_ONLY" in build.build_key("dense_only")[1]
+    assert "-O3" in build.build_key("full")[1]
+    assert not any(flag.startswith("-march") for flag in build.build_key("full")[1])
+
+
+def test_key_changes_with_the_sources(tmp_path, monkeypatch):
+    src = tmp_path / "csrc"
+    shutil.copytree(build.csrc_dir(), src)
+    monkeypatch.setattr(build, "csrc_dir", lambda: src)
+    before = build.build_key("full")[0]
+    with open(src / "attn_d256.cpp", "a") as fh:
+        fh.write("\n// a changed source must never reuse a stale library\n")
+    assert build.build_key("full")[0] != before
+
+
+def test_unknown_variant_is_refused():
+    with pytest.raises(build.BuildError, match="unknown variant 'fast'.*full, dense_only"):
+        build.build_library("fast")
+
+
+def test_cache_inside_the_sources_is_refused():
+    with pytest.raises(build.BuildError, match="never go into the source tree"):
+        build.build_library("full", cache_dir=build.csrc_dir() / "cache")
+
+
+def test_cache_dir_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "c"))
+    assert build.default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("DFLASH_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert build.default_cache_dir() == tmp_path / "xdg" / "pytest-dflash"
+
+
+def test_compiler_failure_is_a_clear_error_and_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")
+    failed = r"building libdflash_d256_full.so failed \(exit 1\)"
+    with pytest.raises(build.BuildError, match=failed):
+        build.build_library("full", cache_dir=tmp_path)
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    with pytest.raises(build.BuildError, match="cannot run.*set CXX"):
+        build.build_library("full", cache_dir=tmp_path)
+
+
+def test_main_build_prints_the_path(capsys):
+    assert build.main_build(["--variant", "full"]) == 0
+    assert Path(capsys.readouterr().out.strip()) == build.build_library("full")
+
+
+def test_two_concurrent_builders_share_one_build(tmp_path):
+    """Two processes building into one empty cache at once: both succeed, both print the same
+    path, one library results (no temporary files left), and it registers the ops."""
+    env = {**os.environ, "DFLASH_CACHE_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-c",
+           "import sys; from pytest_dflash.build import main_build; sys.exit(main_build([]))"]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    results = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    paths = {out.strip() for out, _ in results}
+    assert len(paths) == 1, paths
+    (path,) = paths
+    assert Path(path).is_file() and Path(path).parent.parent == tmp_path
+    assert [p.name for p in tmp_path.rglob("*.so")] == ["libdflash_d256_full.so"]
+    assert not list(tmp_path.rglob("*.tmp"))
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, torch; torch.ops.load_library(sys.argv[1]); "
+         "print([hasattr(torch.ops.dflash_d256, op) for op in ('dense', 'paged')])", path],
+        capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip() == "[True, True]", probe.stdout
