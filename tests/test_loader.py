@@ -1,0 +1,110 @@
+"""Unit tests of the D256 loader beyond the loader gate's scenarios (suites/test_loader_d256.py).
+
+Loading a native library cannot be undone inside a process, so every case that loads runs in
+its own interpreter and reports the status as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_dflash import build
+from pytest_dflash.loader import (
+    SIDECAR_ENV,
+    LoaderError,
+    LoaderStatus,
+    file_sha256,
+    probe_library,
+)
+
+
+def run_child(code: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != SIDECAR_ENV}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_status_summary_names_state_file_and_missing_ops():
+    st = LoaderStatus(state="partial", device="cpu", path="/x/lib.so", sha256="ab" * 32,
+                      ops={"dense": {"present": True, "verified": True, "error": None},
+                           "paged": {"present": False, "verified": False, "error": "gone"}},
+                      error="boom")
+    assert not st.ok and st.missing_ops() == ["paged"]
+    assert st.summary() == ("dflash_d256 ops partial from /x/lib.so (sha256 abababababab) on "
+                            "cpu; missing or failing: paged; boom")
+    assert json.loads(json.dumps(st.as_json()))["ops"]["paged"]["error"] == "gone"
+    assert LoaderStatus(state="sidecar", device="cpu").ok
+
+
+def test_probe_refuses_a_text_file(tmp_path):
+    text = tmp_path / "notes.so"
+    text.write_text("not an ELF file\n")
+    with pytest.raises(LoaderError, match=r"is not a loadable op library \(.*\)"):
+        probe_library(text)
+
+
+def test_probe_lists_the_ops_a_library_registers():
+    ops = probe_library(build.build_library("dense_only"))
+    assert ops == ["dense", "dense_splitkv"]
+
+
+def test_library_without_the_namespace_is_not_loaded():
+    """A real shared library that registers no dflash_d256 ops (torch's own global-deps
+    library) is refused after the probe: never loaded, state missing, clear error."""
+    other = Path(torch.__file__).parent / "lib" / "libtorch_global_deps.so"
+    report = run_child(
+        "import json, warnings; warnings.simplefilter('ignore')\n"
+        "from pytest_dflash import loader\n"
+        f"st = loader.load_d256({str(other)!r}, bundled=None)\n"
+        "print(json.dumps([st.state, st.error, loader.loaded_libraries()]))")
+    state, error, loaded = report
+    assert state == "missing" and loaded == []
+    assert "registers no dflash_d256 ops" in error
+
+
+def test_ops_without_a_kernel_for_the_device_are_not_verified():
+    """The bundled library has CPU kernels only: for CUDA the ops are present, not verified,
+    and the state is partial whatever hardware runs the test (the dispatcher is asked first)."""
+    report = run_child(
+        "import json, warnings; warnings.simplefilter('ignore')\n"
+        "from pytest_dflash import loader\n"
+        "st = loader.load_d256(device='cuda')\n"
+        "print(json.dumps([st.state, st.ops]))")
+    state, ops = report
+    assert state == "partial"
+    for op in ("dense", "paged"):
+        assert ops[op]["present"] and not ops[op]["verified"]
+        assert "no kernel for dispatch key CUDA" in ops[op]["error"]
+
+
+def test_current_status_follows_the_explicit_load():
+    """Routes use the process's status: after an explicit load without the bundled library,
+    the FA2 route refuses instead of quietly building and loading the bundled one."""
+    report = run_child(
+        "import json, warnings; warnings.simplefilter('ignore')\n"
+        "from pytest_dflash import loader\n"
+        "from dflash_kernels.attention import fa2_status\n"
+        "st = loader.load_d256(bundled=None)\n"
+        "print(json.dumps([st.state, fa2_status() is st, loader.loaded_libraries()]))")
+    assert report == ["missing", True, []]
+
+
+def test_loaded_libraries_carry_path_and_sha256():
+    lib = build.build_library("full")
+    report = run_child(
+        "import json\n"
+        "from pytest_dflash import loader\n"
+        "st = loader.load_d256()\n"
+        "print(json.dumps(loader.loaded_libraries()))")
+    (entry,) = report
+    assert entry == {"path": str(lib), "realpath": str(lib.resolve()),
+                     "sha256": file_sha256(lib), "source": "bundled"}
