@@ -460,6 +460,7 @@ class EvidenceCollector:
                 if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
                     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+    @pytest.hookimpl(trylast=True)  # after other plugins' tables: the run ends with verdicts
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.report is None and not self.problems:
             return
@@ -480,10 +481,13 @@ def _policy_echo(policy: Policy) -> dict[str, Any]:
     return {**policy.as_dict(), "output_contract": CONTRACT.as_dict()}
 
 
-def _first_line(report: pytest.TestReport) -> str:
+def _first_line(report: pytest.TestReport, limit: int = 400) -> str:
+    """The assertion message on one line (gate messages often put details on later lines)."""
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(report.longrepr)
-    return text.strip().splitlines()[0][:300] if text.strip() else "failed"
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    joined = " | ".join(lines) or "failed"
+    return joined if len(joined) <= limit else joined[: limit - 3] + "..."
 
 
 def _report_path(config: pytest.Config) -> Path:
