@@ -9,6 +9,8 @@ refused with a message that names it, and route hits per call.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from dflash_kernels.attention import (
@@ -199,3 +201,97 @@ def test_splitkv_refuses_bad_split_count(ops):
     a = _dense_args()
     with pytest.raises(RuntimeError, match=r"num_splits must be in \[1, 64\]"):
         ops.dense_splitkv(a["q"], a["k"], a["v"], a["out"], SCALE, True, 0)
+
+
+# ------------------------------------------------------------------ the gates can fail
+
+BROKEN_CONFTEST = """
+from pytest_dflash import Route
+
+def pytest_dflash_routes(registry):
+    for name in ("topleft", "fallback"):
+        registry.register(Route(f"attn.d256.{name}", "attn.d256", "candidate",
+                                baseline="attn.d256.sdpa", gates=("parity", "speed"),
+                                impl=f"brokenattn:{name.upper()}"))
+"""
+
+BROKEN_IMPL = """
+import torch.nn.functional as F
+from dflash_kernels.attention import gather_pages
+from pytest_dflash import hits
+
+
+class TopLeft:
+    '''SDPA's is_causal as is: top-left aligned, wrong whenever Tq < Tk.'''
+
+    def dense(self, q, k, v, out, scale, causal):
+        hits.record("attn.d256.topleft", "dense")
+        self._attend(q, k, v, out, scale, causal)
+
+    def paged(self, q, k_cache, v_cache, table, kv_len, out, scale, causal):
+        hits.record("attn.d256.topleft", "paged")
+        self._attend(q, *gather_pages(k_cache, v_cache, table, kv_len), out, scale, causal)
+
+    def _attend(self, q, k, v, out, scale, causal):
+        g = q.shape[1] // k.shape[1]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(g, 0),
+            v.transpose(0, 1).repeat_interleave(g, 0), is_causal=causal, scale=scale)
+        out.copy_(o.transpose(0, 1))
+
+
+class Fallback:
+    '''Claims to be a faster route, but its calls are counted on the SDPA fallback (and it
+    writes nothing useful): fast on the clock, so only the route hits can expose it.'''
+
+    def dense(self, q, k, v, out, scale, causal):
+        hits.record("attn.d256.sdpa", "dense")
+        out.zero_()
+
+    def paged(self, q, k_cache, v_cache, table, kv_len, out, scale, causal):
+        hits.record("attn.d256.sdpa", "paged")
+        out.zero_()
+
+
+TOPLEFT = TopLeft()
+FALLBACK = Fallback()
+"""
+
+
+@pytest.fixture
+def broken_project(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makeconftest(BROKEN_CONFTEST)
+    pytester.makepyfile(brokenattn=BROKEN_IMPL)
+    return pytester
+
+
+def _gate(report_path, route: str, kind: str) -> dict:
+    return json.loads(report_path.read_text())["routes"][route]["gates"][kind]
+
+
+def test_parity_gate_rejects_a_top_left_causal_mask(broken_project):
+    """The bottom-right alignment for Tq < Tk is what a prefix-cached prefill needs; a route
+    with SDPA's top-left ``is_causal`` passes Tq == Tk cases and must still be rejected."""
+    result = broken_project.runpytest_subprocess(
+        "--pyargs", "dflash_suites.test_parity_attn", "--dflash-route", "attn.d256.topleft",
+        "--dflash-profile", "quick", "-k", "edges or paged", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=6)
+    result.stdout.fnmatch_lines(["*parity cases failed*", "*dense Tq=63 Tk=130*"])
+    gate = _gate(broken_project.path / "dflash-report.json", "attn.d256.topleft", "parity")
+    assert gate["status"] == "failed"
+
+
+def test_parity_and_speed_gates_reject_a_silent_fallback(broken_project):
+    """A route whose calls are counted on the SDPA fallback fails on its route hits in the
+    parity gate and, although it beats the clock, in the speed gate."""
+    result = broken_project.runpytest_subprocess(
+        "--pyargs", "dflash_suites.test_parity_attn", "dflash_suites.test_speed_attn",
+        "--dflash-route", "attn.d256.fallback", "--dflash-profile", "quick",
+        "-k", "edges or speed", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=3)
+    result.stdout.fnmatch_lines(["*attn.d256.fallback.dense must record exactly one hit*",
+                                 "*route hits*do not match the timed calls*"])
+    report = broken_project.path / "dflash-report.json"
+    assert _gate(report, "attn.d256.fallback", "parity")["status"] == "failed"
+    speed = _gate(report, "attn.d256.fallback", "speed")
+    assert speed["status"] == "failed"
