@@ -14,10 +14,17 @@ route whose *code path* ran, so a gate can prove which kernel served a call: the
 dispatch op records its branch under its own name, and the shared kernel it ran records under
 ``gemm.nvfp4.qpn2`` (``small_m``) or ``gemm.nvfp4.qpn4_bounded`` (``large_m``).
 
-This is a torch reference implementation for every device. Its dequantized values and
-matmuls are fp32 on every device (a GPU kernel would hold fp16 in the workspace; on this CPU an
-fp16 GEMM is about 6x slower than fp32, which would only measure torch's fp16 CPU kernels).
-Accumulation is fp32 for both input dtypes; the output is cast to x's dtype once, at the end.
+Two paths are registered torch ops, as they are in the shipped stack: the small-M path
+``dflash_gemm::qpn2_linear`` (route qpn2) and the dispatch op ``dflash_gemm::qpn2_packed_linear``
+(route qpn2_packed), whose M branch lives inside the op. Both are Python kernels registered
+with ``torch.library.Library`` (about 6-10 us of dispatcher cost per call on this CPU).
+
+This is a torch reference implementation for every device. The QPN routes' dequantized values
+and matmuls are fp32 on every device (a GPU kernel would hold fp16 in the workspace and remove the
+2^14 bias from its fp32 accumulators; on this CPU an fp16 GEMM is about 6x slower than fp32,
+which would only measure torch's fp16 CPU kernels). Accumulation is fp32 for both input
+dtypes; the output is cast to x's dtype once, at the end. On a GPU the speed gates therefore
+time this reference, not a native kernel.
 """
 
 from __future__ import annotations
