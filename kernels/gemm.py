@@ -136,6 +136,32 @@ def workspace_bytes_per_tile(k: int) -> int:
 # shared kernels
 
 
+_poison_buffers = False
+
+
+@contextmanager
+def poisoned_buffers() -> Iterator[None]:
+    """Inside this block, every scratch, workspace and output buffer the QPN kernels take is
+    filled with 0xFF bytes first (NaN as fp32, -1 as an index) before use.
+
+    Parity gates run candidates inside it (DESIGN 6: output buffers poisoned before the call),
+    so an element a kernel forgot to write fails parity as NaN, and a stale index raises,
+    instead of passing with a plausible value left over from the previous call.
+    """
+    global _poison_buffers
+    previous, _poison_buffers = _poison_buffers, True
+    try:
+        yield
+    finally:
+        _poison_buffers = previous
+
+
+def _poisoned(buffer: Tensor) -> Tensor:
+    if _poison_buffers:
+        buffer.view(torch.uint8).fill_(0xFF)
+    return buffer
+
+
 _lut_lock = threading.Lock()
 _LUT_PAIRS: dict[torch.device, Tensor] = {}
 _E4M3_VALUES: dict[torch.device, Tensor] = {}
@@ -224,7 +250,7 @@ def _qpn2_small_m(x32: Tensor, codes: Tensor, scales: Tensor, global_scale: floa
     split_groups = SPLIT_K // GROUP_K
     width = min(split_groups, groups)
     n_index = n_padded * width * BYTES_PER_GROUP_COLUMN
-    scratch = _small_m_scratch(6 * 4 * n_index // 2, device)  # int32 index + 2x fp32 values
+    scratch = _poisoned(_small_m_scratch(6 * 4 * n_index // 2, device))  # int32 idx + fp32 values
     index = scratch[: 4 * n_index].view(torch.int32)
     values = scratch[4 * n_index :].view(torch.float32)
     out = torch.zeros(m, n_padded, dtype=torch.float32, device=device)
@@ -279,10 +305,11 @@ def _qpn4_bounded_large_m(
     else:
         scales32, unscale = _e4m3_fp32(scales), global_scale
     n_values = tiles_per_chunk * TILE_N * k
-    storage = workspace.take(tiles_per_chunk * per_tile, x32.device)
+    storage = _poisoned(workspace.take(tiles_per_chunk * per_tile, x32.device))
     values_all = storage[: 4 * n_values].view(torch.float32)
     index_all = storage[4 * n_values :].view(torch.int32)
-    out = torch.empty(x32.shape[0], tiles * TILE_N, dtype=torch.float32, device=x32.device)
+    out = _poisoned(torch.empty(x32.shape[0], tiles * TILE_N, dtype=torch.float32,
+                                device=x32.device))
     for t0 in range(0, tiles, tiles_per_chunk):
         t1 = min(tiles, t0 + tiles_per_chunk)
         count = (t1 - t0) * TILE_N * k

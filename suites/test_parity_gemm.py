@@ -14,7 +14,9 @@ a shipped one:
   one buffer.
 
 Every call must record route hits under the candidate's route name: a candidate that silently
-fell back to another route fails here rather than passing with someone else's numbers.
+fell back to another route fails here rather than passing with someone else's numbers. The
+shipped kernels run with their scratch, workspace and output buffers poisoned (NaN) first, so
+an element a kernel forgot to write cannot pass with a stale plausible value.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from dflash_kernels.gemm import FAMILY, MAX_VERIFY_M, as_gemm_route
+from dflash_kernels.gemm import FAMILY, MAX_VERIFY_M, as_gemm_route, poisoned_buffers
 from dflash_kernels.nvfp4 import NVFP4Weight, quantize
 
 from pytest_dflash import hits
@@ -110,7 +112,7 @@ def parity_case(
     """
     call = "gate_up" if gated else "linear"
     prepared = impl.prepare(w)
-    with hits.counting() as delta:
+    with hits.counting() as delta, poisoned_buffers():
         out = getattr(impl, call)(x, prepared)
     if delta.route(route_name) == 0:
         raise AssertionError(

@@ -229,3 +229,15 @@ def test_outside_routes_must_offer_the_contract() -> None:
     with pytest.raises(TypeError, match="lacks gate_up"):
         as_gemm_route(Half(), "gemm.nvfp4.outside")
     assert as_gemm_route(QPN2, QPN2.name) is QPN2
+
+
+def test_poisoned_buffers_are_nan_and_fully_overwritten_by_the_kernels() -> None:
+    w = _weight()
+    x = _x(40)
+    expected = {r.name: r.linear(x, r.prepare(w)) for r in (QPN2, QPN4_BOUNDED, QPN2_PACKED)}
+    with gemm.poisoned_buffers():
+        assert torch.isnan(gemm._poisoned(torch.zeros(3))).all()
+        for route in (QPN2, QPN4_BOUNDED, QPN2_PACKED):
+            got = route.linear(x, route.prepare(w))
+            assert_bitwise_equal(got, expected[route.name], f"{route.name} poisoned")
+    assert not torch.isnan(gemm._poisoned(torch.zeros(3))).any()
