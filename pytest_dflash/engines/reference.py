@@ -1,0 +1,418 @@
+"""The embedded reference engine (DESIGN 4 engine protocol, DESIGN 7 model).
+
+It runs the trained hybrid model of ``fixtures/model`` through the *selected routes*: attention
+through the ``attn.d256`` route object (dense op for the first prefill chunk, paged op over the
+paged KV cache for every later chunk, decode and verify step), every MLP projection through the
+``gemm.nvfp4`` route object (NVFP4 weights prepared once per route), and prefill chunking and SSM
+state dtype through the ``prefill.geometry`` route. So a model-level gate of a candidate measures
+the candidate's code, and ``route_hits()`` proves it ran.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pytest_dflash import hits
+from pytest_dflash.engines import Generation, PrefillResult, Sampling
+from pytest_dflash.engines.geometry import KV_BLOCK_SIZE, Geometry
+from pytest_dflash.engines.model import (
+    ModelConfig,
+    attn_qkv,
+    load_checkpoint,
+    mlp_nvfp4,
+    rms_norm,
+    ssm_mixer,
+)
+from pytest_dflash.engines.tokenizer import BOS, EOS, decode, encode
+
+ATTN, GEMM, GEOMETRY = "attn.d256", "gemm.nvfp4", "prefill.geometry"
+FAMILIES = (ATTN, GEMM, GEOMETRY)
+MAX_VERIFY_ROWS = 8
+PREFIX_CACHE_ENTRIES = 8
+# Decode/verify steps at most this long use the recurrent (reference) SSM form, as a decoder does.
+RECURRENT_MAX_TOKENS = MAX_VERIFY_ROWS
+
+
+class EngineError(ValueError):
+    """A selection or input the reference engine cannot run; the message says what to change."""
+
+
+def default_model_dir() -> Path:
+    import dflash_fixtures
+
+    return Path(dflash_fixtures.__file__).resolve().parent / "model"
+
+
+@functools.lru_cache(maxsize=4)
+def _checkpoint(path: str, mtime_ns: int, size: int) -> tuple[ModelConfig, dict[str, Any]]:
+    del mtime_ns, size  # cache key only: a rewritten file is re-read and re-checked
+    return load_checkpoint(path)
+
+
+def _resolve(selection: Mapping[str, str], registry: Any) -> dict[str, tuple[str, Any]]:
+    if registry is None:
+        from pytest_dflash.registry import RouteRegistry
+        from pytest_dflash.shipped import SHIPPED_ROUTES
+
+        registry = RouteRegistry()
+        for route in SHIPPED_ROUTES:
+            registry.register(route)
+    out = {}
+    for family in FAMILIES:
+        name = selection.get(family) or registry.role(family, "baseline").name
+        route = registry.get(name)
+        if route.family != family:
+            raise EngineError(f"selection maps family {family!r} to route {name!r} of family "
+                              f"{route.family!r}; map each family to one of its own routes")
+        out[family] = (name, route.implementation())
+    attn, gemm, geom = (out[f][1] for f in FAMILIES)
+    if not (callable(getattr(attn, "dense", None)) and callable(getattr(attn, "paged", None))):
+        raise EngineError(f"route {out[ATTN][0]} does not offer the attn.d256 contract "
+                          "(.dense(...) and .paged(...))")
+    if not all(callable(getattr(gemm, m, None)) for m in ("prepare", "linear", "gate_up")):
+        raise EngineError(f"route {out[GEMM][0]} does not offer the gemm.nvfp4 contract "
+                          "(.prepare, .linear, .gate_up)")
+    if not isinstance(geom, Geometry):
+        raise EngineError(f"route {out[GEOMETRY][0]} is not a prefill geometry "
+                          "(pytest_dflash.engines.geometry.Geometry)")
+    return out
+
+
+@dataclass
+class _KV:
+    """Paged KV cache of one attention layer. Logical block i lives in physical block i ^ 1, so
+    the block table is a real indirection that a route ignoring it would get wrong."""
+
+    k: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v: torch.Tensor
+
+    def ensure(self, tokens: int) -> None:
+        need = 2 * math.ceil(max(1, math.ceil(tokens / KV_BLOCK_SIZE)) / 2)  # even capacity
+        if need > self.k.shape[0]:
+            grow = max(need, 2 * self.k.shape[0])
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = old.new_zeros(grow, *old.shape[1:])
+                new[: old.shape[0]] = old  # pairs (2i, 2i+1) keep their slots: i ^ 1 is stable
+                setattr(self, name, new)
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        pos = torch.arange(start, start + k.shape[0], device=k.device)
+        phys = (pos // KV_BLOCK_SIZE) ^ 1
+        self.k[phys, pos % KV_BLOCK_SIZE] = k.to(self.k.dtype)
+        self.v[phys, pos % KV_BLOCK_SIZE] = v.to(self.v.dtype)
+
+    def table(self, tokens: int) -> torch.Tensor:
+        n = max(1, math.ceil(tokens / KV_BLOCK_SIZE))
+        return (torch.arange(n, dtype=torch.int32, device=self.k.device) ^ 1).contiguous()
+
+    def clone(self, tokens: int) -> _KV:
+        n = 2 * math.ceil(max(1, math.ceil(tokens / KV_BLOCK_SIZE)) / 2)
+        return _KV(self.k[:n].clone(), self.v[:n].clone())
+
+
+@dataclass
+class _State:
+    """Everything the model carries between calls, for one token sequence."""
+
+    tokens: list[int]
+    conv: list[torch.Tensor | None]
+    ssm: list[torch.Tensor | None]
+    kv: list[_KV | None]
+    last_logits: torch.Tensor | None = None
+
+    def clone(self) -> _State:
+        n = len(self.tokens)
+        return _State(list(self.tokens), [c.clone() if c is not None else None for c in self.conv],
+                      [s.clone() if s is not None else None for s in self.ssm],
+                      [kv.clone(n + MAX_VERIFY_ROWS) if kv is not None else None
+                       for kv in self.kv],
+                      None if self.last_logits is None else self.last_logits.clone())
+
+
+class ReferenceEngine:
+    """The reference engine: see the module docstring. Build it with :func:`build`."""
+
+    def __init__(self, selection: Mapping[str, str], profile: str, device: str | torch.device,
+                 registry: Any = None, model_dir: str | Path | None = None) -> None:
+        self.device = torch.device(device)
+        self.profile = profile
+        routes = _resolve(selection, registry)
+        self.selection = {f: routes[f][0] for f in FAMILIES}
+        self.attn_route, self.attn = routes[ATTN]
+        self.gemm_route, self.gemm = routes[GEMM]
+        self.geometry_route, self.geometry = routes[GEOMETRY]
+        self.chunk = self.geometry.chunk(profile)
+        self.state_dtype = self.geometry.state_dtype
+        # SM70 computes in fp16 (no bf16); the CPU profiles compute in fp32
+        self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        path = Path(model_dir) if model_dir is not None else default_model_dir()
+        weights = path / "weights.pt"
+        stat = weights.stat() if weights.is_file() else None
+        self.cfg, tensors = (_checkpoint(str(path), stat.st_mtime_ns, stat.st_size) if stat
+                             else load_checkpoint(path))
+        self._load(tensors)
+        self._prefix: OrderedDict[tuple[int, ...], _State] = OrderedDict()
+        self._current: _State | None = None
+        self._dispatch: Counter[str] = Counter()
+        self._kernel: Counter[str] = Counter()
+        self._depth = 0
+
+    # ----------------------------------------------------------------------------- weights
+    def _load(self, tensors: dict[str, torch.Tensor]) -> None:
+        from dflash_kernels.nvfp4 import NVFP4Weight
+
+        cfg, dev = self.cfg, self.device
+        self.w = {k: t.to(dev, torch.float32) for k, t in tensors.items() if ":" not in k}
+        self.prepared: dict[str, Any] = {}
+        for i in range(cfg.n_layers):
+            for name in ("mlp.gate_up.weight", "mlp.down.weight"):
+                packed, scales, glob = mlp_nvfp4(tensors, f"layers.{i}.{name}")
+                weight = NVFP4Weight(packed.to(dev), scales.to(dev), float(glob))
+                self.prepared[f"layers.{i}.{name}"] = self.gemm.prepare(weight)
+        self.layer_params = []
+        for i in range(cfg.n_layers):
+            prefix = f"layers.{i}.mix."
+            self.layer_params.append(
+                {k[len(prefix):]: t for k, t in self.w.items() if k.startswith(prefix)}
+            )
+
+    # ----------------------------------------------------------------------------- model
+    def _fresh(self) -> _State:
+        cfg = self.cfg
+        kv = [
+            _KV(torch.zeros(2, KV_BLOCK_SIZE, cfg.attn_kv_heads, cfg.attn_head_dim,
+                            dtype=self.dtype, device=self.device),
+                torch.zeros(2, KV_BLOCK_SIZE, cfg.attn_kv_heads, cfg.attn_head_dim,
+                            dtype=self.dtype, device=self.device))
+            if cfg.is_attention(i) else None
+            for i in range(cfg.n_layers)
+        ]
+        return _State([], [None] * cfg.n_layers, [None] * cfg.n_layers, kv)
+
+    def _forward(self, state: _State, ids: list[int], all_logits: bool,
+                 commit: bool = True) -> torch.Tensor:
+        """Run ``ids`` on top of ``state``; logits [T or 1, V]. ``commit=False`` (verify) leaves
+        the SSM/conv state and the token list untouched; KV rows past the prefix are scratch."""
+        cfg = self.cfg
+        start = len(state.tokens)
+        t_len = len(ids)
+        x = self.w["embed.weight"][torch.tensor(ids, device=self.device)]
+        recurrent = t_len <= RECURRENT_MAX_TOKENS
+        for i in range(cfg.n_layers):
+            p = self.layer_params[i]
+            h = rms_norm(x, self.w[f"layers.{i}.norm1.weight"], cfg.norm_eps)
+            if cfg.is_attention(i):
+                y = self._attention(state.kv[i], p, h, start)
+            else:
+                y, conv, ssm = ssm_mixer(p, h[None], cfg, state.conv[i], state.ssm[i],
+                                         self.state_dtype, recurrent=recurrent)
+                y = y[0]
+                if commit:
+                    state.conv[i], state.ssm[i] = conv, ssm
+            x = x + y
+            h = rms_norm(x, self.w[f"layers.{i}.norm2.weight"], cfg.norm_eps)
+            x = x + self._mlp(i, h)
+        if not all_logits:
+            x = x[-1:]
+        logits = F.linear(rms_norm(x, self.w["norm.weight"], cfg.norm_eps), self.w["head.weight"])
+        if commit:
+            state.tokens.extend(ids)
+            state.last_logits = logits[-1].clone()
+        return logits
+
+    def _attention(self, kv: _KV, p: dict[str, torch.Tensor], h: torch.Tensor,
+                   start: int) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = attn_qkv(p, h[None], cfg)
+        q, k, v = (t[0].to(self.dtype).contiguous() for t in (q, k, v))
+        out = torch.empty_like(q)
+        scale = 1.0 / math.sqrt(cfg.attn_head_dim)
+        end = start + q.shape[0]
+        kv.ensure(end + MAX_VERIFY_ROWS)
+        kv.write(start, k, v)
+        if start == 0:
+            self.attn.dense(q, k, v, out, scale, True)
+            self._dispatch[self.attn_route] += 1
+            self._dispatch[f"{self.attn_route}:dense"] += 1
+        else:
+            self.attn.paged(q, kv.k, kv.v, kv.table(end), end, out, scale, True)
+            self._dispatch[self.attn_route] += 1
+            self._dispatch[f"{self.attn_route}:paged"] += 1
+        return F.linear(out.float().flatten(1), p["o.weight"])
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        m = h.shape[0]
+        act = self.gemm.gate_up(h.to(self.dtype), self.prepared[f"layers.{i}.mlp.gate_up.weight"])
+        out = self.gemm.linear(act, self.prepared[f"layers.{i}.mlp.down.weight"])
+        self._dispatch[self.gemm_route] += 2
+        self._dispatch[f"{self.gemm_route}:m{'<=8' if m <= MAX_VERIFY_ROWS else '>8'}"] += 2
+        return out.float()
+
+    def _run_chunks(self, state: _State, ids: list[int], all_logits: bool) -> tuple[
+            list[torch.Tensor], int]:
+        outs, chunks = [], 0
+        for pos in range(0, len(ids), self.chunk):
+            outs.append(self._forward(state, ids[pos : pos + self.chunk], all_logits))
+            chunks += 1
+            self._dispatch[self.geometry_route] += 1
+        return outs, chunks
+
+    # ----------------------------------------------------------------------------- protocol
+    @contextmanager
+    def _tracked(self) -> Iterator[None]:
+        """Collect the hits the kernels record while this engine runs (outermost call only)."""
+        self._depth += 1
+        try:
+            if self._depth > 1:
+                yield
+                return
+            with torch.inference_mode(), hits.counting() as delta:
+                yield
+            self._kernel.update({f"{r}/{op}": n for (r, op), n in delta.counts.items()})
+        finally:
+            self._depth -= 1
+
+    def encode(self, text: str) -> list[int]:
+        return encode(text)
+
+    def _check_ids(self, token_ids: list[int], what: str) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise EngineError(f"{what} needs at least one token id, got an empty list")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise EngineError(f"{what}: token ids {bad[:5]} are outside the vocabulary "
+                              f"0..{self.cfg.vocab_size - 1} (bytes 0-255, BOS {BOS}, EOS {EOS})")
+        return ids
+
+    def prefill(self, token_ids: list[int]) -> PrefillResult:
+        """Prefill ``token_ids`` in geometry chunks, reusing the longest cached prefix."""
+        ids = self._check_ids(token_ids, "prefill")
+        with self._tracked():
+            self._sync()
+            t0 = time.perf_counter()
+            state = self._lookup(ids)
+            rest = ids[len(state.tokens):]
+            _, chunks = self._run_chunks(state, rest, all_logits=False)
+            self._sync()
+            seconds = time.perf_counter() - t0
+            self._store(state)
+            self._current = state
+        logits = state.last_logits.float().cpu()
+        return PrefillResult(int(logits.argmax()), hashlib.sha256(logits.numpy().tobytes())
+                             .hexdigest(), len(ids), seconds, chunks)
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """log p(token i+1 | tokens 0..i) for every i, from a fresh state (no prefix cache)."""
+        ids = self._check_ids(token_ids, "score")
+        if len(ids) < 2:
+            raise EngineError("score needs at least two token ids (e.g. BOS and one byte)")
+        with self._tracked():
+            outs, _ = self._run_chunks(self._fresh(), ids, all_logits=True)
+            logp = torch.log_softmax(torch.cat(outs)[:-1].float(), dim=-1)
+            target = torch.tensor(ids[1:], device=logp.device)
+            return logp.gather(1, target[:, None])[:, 0].cpu().tolist()
+
+    def generate(self, prompt: str, max_new_tokens: int, stop: list[str] | None = None,
+                 sampling: Sampling | None = None) -> Generation:
+        if max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        sampling = sampling or Sampling()
+        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+            raise EngineError(f"sampling needs temperature >= 0 and 0 < top_p <= 1, got "
+                              f"{sampling.temperature} and {sampling.top_p}")
+        stop = [s for s in (stop or []) if s]
+        gen = torch.Generator().manual_seed(sampling.seed)
+        with self._tracked():
+            self.prefill([BOS, *encode(prompt)])
+            state = self._current.clone()
+            out: list[int] = []
+            while True:
+                tok = self._pick(state.last_logits, sampling, gen)
+                if tok == EOS:
+                    return Generation(decode(out), out, "stop")
+                out.append(tok)
+                text = decode(out)
+                hit = [text.index(s) for s in stop if s in text]
+                if hit:
+                    return Generation(text[: min(hit)], out, "stop")
+                if len(out) >= max_new_tokens:
+                    return Generation(text, out, "length")
+                self._forward(state, [tok], all_logits=False)
+
+    def verify(self, draft_ids: list[int]) -> torch.Tensor:
+        """Logits [M, V] of M <= 8 draft tokens on top of the last prefill, state unchanged."""
+        ids = self._check_ids(draft_ids, "verify")
+        if len(ids) > MAX_VERIFY_ROWS:
+            raise EngineError(f"verify takes at most {MAX_VERIFY_ROWS} draft tokens (draft width "
+                              f"7 + 1), got {len(ids)}")
+        if self._current is None:
+            raise EngineError("verify needs a cached prefix: call prefill(prompt_ids) first")
+        with self._tracked():
+            return self._forward(self._current, ids, all_logits=True, commit=False).float()
+
+    def reset_prefix_cache(self) -> None:
+        self._prefix.clear()
+        self._current = None
+
+    def route_hits(self) -> dict[str, int]:
+        """Dispatches by route name (plus ``route:op`` detail) and the hits the kernels recorded
+        themselves while this engine ran (``route/op``), accumulated since build."""
+        return {**dict(self._dispatch), **dict(self._kernel)}
+
+    # ----------------------------------------------------------------------------- helpers
+    def _pick(self, logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:
+        logits = logits.float().cpu()
+        if sampling.temperature == 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / sampling.temperature, dim=-1)
+        if sampling.top_p < 1:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < sampling.top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    def _lookup(self, ids: list[int]) -> _State:
+        best: tuple[int, ...] | None = None
+        for key in self._prefix:
+            if len(key) <= len(ids) and (best is None or len(key) > len(best)) \
+                    and tuple(ids[: len(key)]) == key:
+                best = key
+        if best is None:
+            return self._fresh()
+        self._prefix.move_to_end(best)
+        self._dispatch["prefix_cache:hit"] += 1
+        return self._prefix[best].clone()
+
+    def _store(self, state: _State) -> None:
+        key = tuple(state.tokens)
+        self._prefix[key] = state.clone()
+        self._prefix.move_to_end(key)
+        while len(self._prefix) > PREFIX_CACHE_ENTRIES:
+            self._prefix.popitem(last=False)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __repr__(self) -> str:
+        return f"<ReferenceEngine {self.selection} profile={self.profile} device={self.device}>"
+
+
+def build(selection: Mapping[str, str], profile: str, device: str | torch.device = "cpu",
+          registry: Any = None, model_dir: str | Path | None = None) -> ReferenceEngine:
+    """The reference engine for a family -> route selection (missing families: baselines)."""
+    return ReferenceEngine(selection, profile, device, registry=registry, model_dir=model_dir)
