@@ -10,6 +10,9 @@ refused with a message that names it, and route hits per call.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -295,3 +298,24 @@ def test_parity_and_speed_gates_reject_a_silent_fallback(broken_project):
     assert _gate(report, "attn.d256.fallback", "parity")["status"] == "failed"
     speed = _gate(report, "attn.d256.fallback", "speed")
     assert speed["status"] == "failed"
+
+
+def test_baseline_simd_path_matches_the_reference():
+    """The softmax step has an AVX2+FMA copy chosen at run time and a baseline copy for other
+    CPUs; this machine runs the AVX2 one, so the baseline copy is forced in a child process."""
+    code = (
+        "import torch\n"
+        "from dflash_kernels.attention import FA2, reference_attention\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "q, k, v = (torch.randn(t, h, 256, generator=g)\n"
+        "           for t, h in ((300, 4), (333, 2), (333, 2)))\n"
+        "out = torch.full_like(q, float('nan'))\n"
+        "FA2.dense(q, k, v, out, 0.0625, True)\n"
+        "ref = reference_attention(q, k, v, 0.0625, True)\n"
+        "print(float((out.double() - ref).norm() / ref.norm()))\n")
+    env = {**os.environ, "DFLASH_D256_DISABLE_AVX2": "1"}
+    env.pop("DFLASH_D256_LIBRARY", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) <= 2e-6

@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -274,9 +275,12 @@ __attribute__((target("avx2,fma"))) void softmax_step_avx2(float* s, int64_t row
   softmax_step_body(s, rows, kb, visible, m, l, o);
 }
 
-bool cpu_has_avx2_fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
+// $DFLASH_D256_DISABLE_AVX2 (any value) forces the baseline copy: the tests use it to check
+// the path that machines without AVX2 run.
+bool use_avx2_fma() {
+  static const bool use = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          std::getenv("DFLASH_D256_DISABLE_AVX2") == nullptr;
+  return use;
 }
 #endif
 
@@ -288,7 +292,7 @@ void softmax_step_generic(float* s, int64_t rows, int64_t kb, const int64_t* vis
 void softmax_step(float* s, int64_t rows, int64_t kb, const int64_t* visible, float* m, float* l,
                   float* o) {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-  if (cpu_has_avx2_fma()) return softmax_step_avx2(s, rows, kb, visible, m, l, o);
+  if (use_avx2_fma()) return softmax_step_avx2(s, rows, kb, visible, m, l, o);
 #endif
   softmax_step_generic(s, rows, kb, visible, m, l, o);
 }
