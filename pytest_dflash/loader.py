@@ -308,6 +308,14 @@ def _sidecar_from(sidecar: Path | str | None) -> Path | None:
     return Path(env).expanduser() if env else None
 
 
+def _bundled_path(bundled: Path | str) -> Path:
+    if bundled == BUNDLED:
+        from pytest_dflash import build
+
+        return build.bundled_library_path()
+    return Path(bundled)
+
+
 def _complete() -> bool:
     return all(op in namespace_ops() for op in REQUIRED_OPS)
 
@@ -334,16 +342,18 @@ def load_d256(
     status = LoaderStatus(state="missing", device=str(device))
     errors: list[str] = []
 
+    deferred: Path | None = None  # a partial bundled library, kept out of the sidecar's way
     if bundled is not None and _OWNER is None:
         try:
-            if bundled == BUNDLED:
-                from pytest_dflash import build
-
-                path = build.bundled_library_path()
+            path = _bundled_path(bundled)
+            if side is not None and not set(REQUIRED_OPS) <= set(probe_library(path)):
+                # loading it would claim the namespace and shut the sidecar out for good
+                deferred = path
+                status.attempts.append({"source": "bundled", "path": str(path), "error":
+                                        "lacks required ops: not loaded, the sidecar goes first"})
             else:
-                path = Path(bundled)
-            _load(path, "bundled", probe=False)
-            status.attempts.append({"source": "bundled", "path": str(path), "error": None})
+                _load(path, "bundled", probe=False)
+                status.attempts.append({"source": "bundled", "path": str(path), "error": None})
         except Exception as exc:  # noqa: BLE001 - a failed build or load is a state, not a crash
             errors.append(f"bundled: {exc}")
             status.attempts.append({"source": "bundled", "path": None, "error": str(exc)})
@@ -362,6 +372,16 @@ def load_d256(
             except LoaderError as exc:
                 errors.append(f"sidecar: {exc}")
                 status.attempts.append({"source": "sidecar", "path": str(side), "error": str(exc)})
+
+    if deferred is not None and _OWNER is None:
+        # the sidecar did not load: the partial bundled library still serves what it has
+        try:
+            _load(deferred, "bundled", probe=False)
+            status.attempts.append({"source": "bundled", "path": str(deferred), "error": None})
+        except LoaderError as exc:
+            errors.append(f"bundled: {exc}")
+            status.attempts.append({"source": "bundled", "path": str(deferred),
+                                    "error": str(exc)})
 
     status.ops = {op: _verify(op, str(device)) for op in REQUIRED_OPS}
     status.optional_ops = {op: _verify(op, str(device)) for op in OPTIONAL_OPS}
@@ -385,6 +405,9 @@ def load_d256(
             message += f" ({status.error})"
         status.warnings.append(message)
         warnings.warn(DflashFallbackWarning(message), stacklevel=2)
+    elif status.error:  # usable ops, but something asked for was refused (e.g. a clash)
+        status.warnings.append(status.error)
+        warnings.warn(status.error, UserWarning, stacklevel=2)
     _STATUS[key] = status
     _CURRENT[str(device)] = status
     return status

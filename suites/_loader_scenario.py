@@ -37,6 +37,7 @@ class Scenario:
     sidecar: str | None = None  # passed as the argument
     sidecar_env: str | None = None  # passed through $DFLASH_D256_LIBRARY instead
     preload: str | None = None  # torch.ops.load_library(...) before the loader runs
+    first_sidecar: str | None = None  # an earlier load_d256(first_sidecar, bundled=None) call
     raw_load: str | None = None  # torch.ops.load_library(...) with no loader at all (control)
     route_impl: str | None = None  # "module:attr" of the route to call once after loading
 
@@ -158,6 +159,10 @@ def _child(spec: dict[str, Any]) -> None:
     if scenario.raw_load is None:
         from pytest_dflash import loader
 
+        if scenario.first_sidecar is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loader.load_d256(scenario.first_sidecar, bundled=None)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             status = loader.load_d256(scenario.sidecar, bundled=scenario.bundled)

@@ -41,7 +41,10 @@ def scenarios_for(impl: str, files: dict[str, Path]) -> list[Scenario]:
         Scenario("corrupt", bundled=None, sidecar=f["random"], route_impl=impl),
         Scenario("not_a_library", bundled=None, sidecar=f["text"], route_impl=impl),
         Scenario("nonexistent", bundled=None, sidecar=f["nonexistent"], route_impl=impl),
-        Scenario("clash", bundled=f["dense_only"], sidecar=f["clash_copy"], route_impl=impl),
+        Scenario("partial_with_sidecar", bundled=f["dense_only"], sidecar=f["sidecar_copy"],
+                 route_impl=impl),
+        Scenario("clash", bundled=None, first_sidecar=f["sidecar_copy"],
+                 sidecar=f["clash_copy"], route_impl=impl),
         Scenario("clash_foreign", bundled=None, preload=f["sidecar_copy"],
                  sidecar=f["clash_copy"], route_impl=impl),
         Scenario("clash_control", raw_load=f["sidecar_copy"], preload=f["clash_copy"]),
@@ -154,18 +157,37 @@ def test_bad_sidecar_gives_clear_error_and_fallback(dflash_route, outcomes, case
 
 
 @pytest.mark.gate("loader", family=FAMILY)
+def test_partial_bundled_library_makes_way_for_the_sidecar(dflash_route, outcomes, files):
+    """A partial bundled build would claim the namespace and shut the sidecar out; the loader
+    probes it first, keeps it unloaded and serves the complete sidecar."""
+    o = outcomes["partial_with_sidecar"]
+    st = clean_exit(o)
+    assert st["state"] == "sidecar" and st["path"] == str(files["sidecar_copy"]), o.describe()
+    assert [lib["realpath"] for lib in o.loaded] == [str(files["sidecar_copy"].resolve())]
+    ran_natively(o, dflash_route.name)
+
+
+@pytest.mark.gate("loader", family=FAMILY)
 def test_clashing_namespace_is_refused_without_abort(dflash_route, outcomes, files):
     control = outcomes["clash_control"]
     assert control.returncode == -signal.SIGABRT, (
         "control: loading both files without the loader should abort the child, so the clash "
         f"scenario is real; got {control.describe()}")
-    for case in ("clash", "clash_foreign"):
-        o = outcomes[case]
-        st = clean_exit(o)
-        assert "already registered" in (st["error"] or ""), o.describe()
-        assert str(files["clash_copy"].resolve()) not in [lib["realpath"] for lib in o.loaded]
-        assert st["state"] in ("partial", "missing"), o.describe()
-        refused_to_run(o, dflash_route.name)
+    clash_copy = str(files["clash_copy"].resolve())
+    # a second library after the loader's own first one: refused, the first keeps serving
+    o = outcomes["clash"]
+    st = clean_exit(o)
+    assert "already registered" in (st["error"] or ""), o.describe()
+    assert st["state"] == "sidecar" and st["path"] == str(files["sidecar_copy"]), o.describe()
+    assert clash_copy not in [lib["realpath"] for lib in o.loaded]
+    assert any("already registered" in w["message"] for w in o.warnings), o.warnings
+    ran_natively(o, dflash_route.name)
+    # a namespace registered behind the loader's back: refused, and those ops are not used
+    o = outcomes["clash_foreign"]
+    st = clean_exit(o)
+    assert "already registered" in (st["error"] or ""), o.describe()
+    assert st["state"] == "missing" and o.loaded == [], o.describe()
+    refused_to_run(o, dflash_route.name)
 
 
 @pytest.mark.gate("loader", family=FAMILY)
