@@ -333,6 +333,10 @@ def load_d256(
     compiled on first use), a path to use as the bundled library, or None for no bundled library
     (a deployment that ships only a sidecar). The status is computed once per argument set and
     per process; a fallback warns once, with a :class:`DflashFallbackWarning`.
+
+    Only one library can own the namespace, so when a sidecar is given the bundled library is
+    first probed in a child: if it lacks required ops it is not loaded (it would shut the
+    sidecar out), and it is loaded afterwards only if the sidecar fails too (state partial).
     """
     side = _sidecar_from(sidecar)
     key = (str(bundled), str(side.resolve()) if side else None, str(device))
