@@ -19,6 +19,8 @@ route ran.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -191,20 +193,39 @@ class Fa2Attention(_Route):
     def dense(self, q, k, v, out, softmax_scale, causal) -> None:
         ops = self._require(q.device)
         hits.record(self.route, "dense")
-        ops.dense(q, k, v, out, float(softmax_scale), bool(causal))
+        with _contiguous_out(out) as dst:
+            ops.dense(q.contiguous(), k.contiguous(), v.contiguous(), dst, float(softmax_scale),
+                      bool(causal))
 
     def paged(self, q, k_cache, v_cache, block_table, kv_len, out, softmax_scale,
               causal) -> None:
         ops = self._require(q.device)
         hits.record(self.route, "paged")
-        ops.paged(q, k_cache, v_cache, block_table, int(kv_len), out, float(softmax_scale),
-                  bool(causal))
+        with _contiguous_out(out) as dst:
+            ops.paged(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
+                      block_table.contiguous(), int(kv_len), dst, float(softmax_scale),
+                      bool(causal))
 
     def dense_splitkv(self, q, k, v, out, softmax_scale, causal, num_splits: int) -> None:
         """Optional variant for very long KV: keys split ``num_splits`` ways, merged exactly."""
         ops = self._require(q.device)
         hits.record(self.route, "dense_splitkv")
-        ops.dense_splitkv(q, k, v, out, float(softmax_scale), bool(causal), int(num_splits))
+        with _contiguous_out(out) as dst:
+            ops.dense_splitkv(q.contiguous(), k.contiguous(), v.contiguous(), dst,
+                              float(softmax_scale), bool(causal), int(num_splits))
+
+
+@contextmanager
+def _contiguous_out(out: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The native ops take contiguous tensors (they check it); callers such as an engine may
+    hold strided views (q split off a fused projection, out a slice of a bigger buffer), so
+    inputs are made contiguous and a strided ``out`` is written through a temporary."""
+    if out.is_contiguous():
+        yield out
+        return
+    tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    yield tmp
+    out.copy_(tmp)
 
 
 def fa2_status(device: str = "cpu") -> LoaderStatus:

@@ -319,3 +319,17 @@ def test_baseline_simd_path_matches_the_reference():
                           env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.strip().splitlines()[-1]) <= 2e-6
+
+
+@pytest.mark.parametrize("route", [ORACLE, SDPA, FA2], ids=lambda r: r.route)
+def test_routes_accept_strided_views(route):
+    """An engine's q is a view into a fused projection and its out a slice of a bigger buffer:
+    every route takes them (the native one through contiguous copies)."""
+    qkv = torch.randn(50, 4 + 1 + 1, 256, generator=torch.Generator().manual_seed(4))
+    q, k, v = qkv[:, :4], qkv[:, 4:5], qkv[:, 5:6]
+    assert not q.is_contiguous()
+    big = torch.full((50, 8, 256), float("nan"))
+    out = big[:, 2:6]
+    route.dense(q, k, v, out, SCALE, True)
+    assert rel_l2(out, reference_attention(q, k, v, SCALE, True)) <= 2e-6
+    assert torch.isnan(big[:, :2]).all() and torch.isnan(big[:, 6:]).all()
