@@ -217,6 +217,12 @@ def _load(path: Path, source: str, *, probe: bool) -> _Loaded:
     if real in _LOADED:
         return _LOADED[real]
     present = namespace_ops()
+    if present and real in {os.path.realpath(p) for p in torch.ops.loaded_libraries}:
+        # this very file was loaded with torch.ops.load_library before: adopt it, no reload
+        lib = _Loaded(str(path), real, file_sha256(path), source)
+        _LOADED[real] = lib
+        _OWNER = real
+        return lib
     if present:
         owner = _OWNER or "a library this loader did not load"
         raise LoaderError(

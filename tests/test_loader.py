@@ -108,3 +108,16 @@ def test_loaded_libraries_carry_path_and_sha256():
     (entry,) = report
     assert entry == {"path": str(lib), "realpath": str(lib.resolve()),
                      "sha256": file_sha256(lib), "source": "bundled"}
+
+
+def test_library_loaded_before_by_hand_is_adopted_not_reloaded():
+    """Someone (an engine) already ran torch.ops.load_library on the bundled file: loading it
+    again is a no-op, so the loader adopts it instead of refusing a clash with itself."""
+    lib = build.build_library("full")
+    report = run_child(
+        "import json, torch\n"
+        "from pytest_dflash import loader\n"
+        f"torch.ops.load_library({str(lib)!r})\n"
+        "st = loader.load_d256()\n"
+        "print(json.dumps([st.state, st.error, st.sha256]))")
+    assert report == ["bundled", None, file_sha256(lib)]
