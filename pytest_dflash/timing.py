@@ -16,6 +16,7 @@ speed and validation-cost gate goes through :func:`speed_gate`, which
 from __future__ import annotations
 
 import functools
+import os
 import time
 import zlib
 from collections.abc import Callable
@@ -125,6 +126,7 @@ def speed_gate(
 
         return run
 
+    load_before = list(os.getloadavg())
     result = paired_compare(
         timed(candidate),
         timed(baseline),
@@ -148,6 +150,10 @@ def speed_gate(
         rule=rule,
         threshold=threshold,
         samples={"candidate": list(result.candidate_s), "baseline": list(result.baseline_s)},
+        # a busy machine stalls threads for whole scheduler quanta: keep the load as evidence
+        loadavg_before=load_before,
+        loadavg_after=list(os.getloadavg()),
+        threads=torch.get_num_threads(),
     )
     if not result.passed:
         raise AssertionError(
