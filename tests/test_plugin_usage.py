@@ -138,3 +138,28 @@ def pytest_unconfigure(config):
 """)
     result = project.runpytest_subprocess("--help")
     result.stdout.fnmatch_lines(["TORCH_LOADED=False"])
+
+
+def test_sidecar_option_reaches_the_loader_and_the_fingerprint(project: pytest.Pytester,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    import hashlib
+    import json
+
+    monkeypatch.delenv("DFLASH_D256_LIBRARY", raising=False)
+    library = project.path / "libsidecar.so"
+    library.write_bytes(b"\x7fELF not really a library")
+    project.makepyfile(test_sidecar=f"""
+        import os
+        import pytest
+
+        @pytest.mark.gate("parity", family="toy.mul")
+        def test_env(dflash_route, dflash_sidecar):
+            assert os.environ["DFLASH_D256_LIBRARY"] == {str(library)!r}
+            assert str(dflash_sidecar) == {str(library)!r}
+    """)
+    result = project.runpytest("--dflash-sidecar", str(library), "--dflash-route", "toy.mul.fast",
+                               "test_sidecar.py")
+    result.assert_outcomes(passed=1)
+    fingerprint = json.loads((project.path / "dflash-report.json").read_text())["fingerprint"]
+    assert fingerprint["sidecar_sha256"] == hashlib.sha256(library.read_bytes()).hexdigest()
