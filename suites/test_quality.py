@@ -1,0 +1,65 @@
+"""Quality gate of family prefill.geometry (DESIGN 6 "quality").
+
+Both routes complete the same held-out coding tasks (names and constants never seen in training)
+with the predeclared decoding (greedy, ``policy.quality_max_new_tokens``, the task stop strings);
+every completion runs against its asserts in the sandbox; per-task records feed the paired
+verdict (one-sided exact McNemar on discordant tasks, output-contract failures, natural-stop rate).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.sm70
+
+
+def complete_tasks(engine, tasks: list[dict], policy) -> list[dict]:
+    """One greedy completion per task, scored in the sandbox and against the output contract."""
+    from dflash_fixtures.tasks import STOP
+    from pytest_dflash.engines import Sampling
+    from pytest_dflash.quality import check_output_contract
+    from pytest_dflash.sandbox import run_untrusted
+
+    records = []
+    for task in tasks:
+        gen = engine.generate(task["prompt"], policy.quality_max_new_tokens, STOP, Sampling())
+        program = f"{task['prompt']}{gen.text}\n\n{task['test']}\n"
+        result = run_untrusted(program, timeout_s=policy.sandbox_timeout_s,
+                               memory_mb=policy.sandbox_memory_mb)
+        contract = check_output_contract(gen.text, gen.token_ids, finish_reason=gen.finish_reason)
+        records.append({"task_id": task["task_id"], "passed": bool(result.passed),
+                        "contract_ok": bool(contract.ok),
+                        "natural_stop": gen.finish_reason == "stop",
+                        "status": result.status, "violations": contract.violations})
+    return records
+
+
+def pass_at_1(records: list[dict]) -> float:
+    from pytest_dflash.metrics import load_metric
+
+    metric = load_metric("pass_at_k")
+    return metric.compute(task_ids=[r["task_id"] for r in records],
+                          passed=[[r["passed"]] for r in records], k=1)["pass@1"]
+
+
+@pytest.mark.gate("quality", family="prefill.geometry")
+def test_quality_heldout_tasks(dflash_route, dflash_registry, dflash_engine, dflash_policy,
+                               dflash_profile, dflash_record):
+    """No significant pass@1 regression, no extra contract failures, no fewer natural stops."""
+    from pytest_dflash.engines.data import coding_tasks
+    from pytest_dflash.quality import summarize_quality
+
+    tasks = coding_tasks(dflash_profile)
+    baseline = dflash_engine(dflash_registry.engine_selection([dflash_route.baseline]))
+    candidate = dflash_engine(dflash_registry.engine_selection([dflash_route.name]))
+    base = complete_tasks(baseline, tasks, dflash_policy)
+    cand = complete_tasks(candidate, tasks, dflash_policy)
+    summary = summarize_quality(base, cand, dflash_policy)
+    failing = {r["task_id"]: r["violations"] for r in cand if not r["contract_ok"]}
+    dflash_record(**summary.measurements,
+                  pass_at_1_metric_baseline=pass_at_1(base),
+                  pass_at_1_metric_candidate=pass_at_1(cand),
+                  decoding={"temperature": 0.0, "max_new_tokens":
+                            dflash_policy.quality_max_new_tokens},
+                  contract_violations_candidate=failing)
+    assert summary.ok, f"{dflash_route.name}: " + "; ".join(summary.reasons)

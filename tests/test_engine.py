@@ -1,0 +1,154 @@
+"""The reference engine against the engine protocol and against the training-form model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_dflash.engines import Engine, Sampling
+from pytest_dflash.engines import model as M
+from pytest_dflash.engines.reference import EngineError, build, default_model_dir
+from pytest_dflash.engines.tokenizer import BOS, EOS, encode
+
+PROMPT = "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n    return a + b\n\n\ndef scale(xs, k):\n"
+FP32_Q6592 = {"prefill.geometry": "prefill.geometry.fp32_q6592"}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return build({}, "quick")
+
+
+@pytest.fixture(scope="module")
+def dense_model():
+    cfg, tensors = M.load_checkpoint(default_model_dir())
+    return M.load_into(M.HybridLM(cfg), tensors).eval()
+
+
+def long_ids(n: int) -> list[int]:
+    text = (PROMPT * 40)[: n - 1]
+    return [BOS, *encode(text)]
+
+
+def test_protocol_and_baseline_selection(engine):
+    assert isinstance(engine, Engine)
+    assert engine.selection == {"attn.d256": "attn.d256.sdpa",
+                                "gemm.nvfp4": "gemm.nvfp4.turbomind",
+                                "prefill.geometry": "prefill.geometry.fp32_q3296"}
+    assert engine.chunk == 3296 // 16
+
+
+@pytest.mark.parametrize("selection, words", [
+    ({"gemm.nvfp4": "gemm.nvfp4.nope"}, "unknown route"),
+    ({"gemm.nvfp4": "attn.d256.sdpa"}, "of family 'attn.d256'"),
+])
+def test_bad_selection_is_refused_clearly(selection, words):
+    with pytest.raises(ValueError, match=words):
+        build(selection, "quick")
+
+
+def test_score_matches_training_model_across_chunks(engine, dense_model):
+    ids = long_ids(260)  # quick chunk 206: two chunks, dense then paged attention
+    hits_before = dict(engine.route_hits())
+    got = torch.tensor(engine.score(ids))
+    hits = engine.route_hits()
+    with torch.no_grad():
+        logp = torch.log_softmax(dense_model(torch.tensor([ids]))[0, :-1].float(), -1)
+    want = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert got.shape == want.shape == (len(ids) - 1,)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+    delta = {k: hits.get(k, 0) - hits_before.get(k, 0) for k in hits}
+    assert delta["prefill.geometry.fp32_q3296"] == 2
+    assert delta["attn.d256.sdpa:dense"] == 2 and delta["attn.d256.sdpa:paged"] == 2
+    assert delta["gemm.nvfp4.turbomind/dequant"] == 2 * 2 * 8  # kernel's own hit records
+
+
+def test_geometries_agree_and_fp16_state_is_a_different_route():
+    ids = long_ids(450)
+    base = build({}, "quick")
+    wide = build(FP32_Q6592, "quick")
+    half = build({"prefill.geometry": "prefill.geometry.fp16_q7920"}, "quick")
+    rb, rw, rh = (e.prefill(ids) for e in (base, wide, half))
+    assert (rb.chunks, rw.chunks, rh.chunks) == (3, 2, 1)
+    assert rb.first_token == rw.first_token == rh.first_token
+    sb, sh = torch.tensor(base.score(ids[:120])), torch.tensor(half.score(ids[:120]))
+    assert 0 < (sb - sh).abs().max() < 1e-2
+
+
+def test_prefix_cache_reuse_and_reset(engine):
+    engine.reset_prefix_cache()
+    ids = long_ids(300)
+    cold = engine.prefill(ids)
+    assert cold.chunks == 2 and cold.prompt_tokens == 300
+    warm = engine.prefill(ids)
+    assert warm.chunks == 0 and warm.first_token_hash == cold.first_token_hash
+    longer = engine.prefill(ids + encode("    return"))
+    assert longer.chunks == 1  # only the new tokens ran (paged over the cached prefix)
+    engine.reset_prefix_cache()
+    again = engine.prefill(ids + encode("    return"))
+    assert again.chunks == 2 and again.first_token == longer.first_token
+    assert engine.prefill(ids).first_token_hash == cold.first_token_hash
+
+
+def test_generate_greedy_stop_length_and_seeded_sampling(engine):
+    prompt = 'def lift_points(q):\n    """Return a new list with 7 added to each element of q."""\n'
+    greedy = engine.generate(prompt, 64, ["\ndef "])
+    assert greedy.finish_reason == "stop"
+    assert greedy.text == "    return [x + 7 for x in q]\n"
+    assert greedy.token_ids[-1] != EOS and len(greedy.token_ids) == len(greedy.text)
+    cut = engine.generate(prompt, 64, ["x +"])
+    assert cut.finish_reason == "stop" and cut.text == "    return ["  # cut before the stop
+    short = engine.generate(prompt, 3)
+    assert short.finish_reason == "length" and len(short.token_ids) == 3
+    free = "# "  # an open-ended prompt: sampling has real choices here
+    hot = Sampling(temperature=1.5, top_p=0.95, seed=7)
+    a, b = engine.generate(free, 16, sampling=hot), engine.generate(free, 16, sampling=hot)
+    assert a.token_ids == b.token_ids
+    seeds = {tuple(engine.generate(free, 16, sampling=Sampling(1.5, seed=s)).token_ids)
+             for s in range(3)}
+    assert len(seeds) > 1
+
+
+def test_verify_rows_match_scoring_and_leave_the_state_alone(engine):
+    engine.reset_prefix_cache()
+    ids = long_ids(120)
+    engine.prefill(ids)
+    draft = encode("    retu")
+    logits = engine.verify(draft)
+    assert tuple(logits.shape) == (8, M.ModelConfig().vocab_size)
+    assert torch.equal(engine.verify(draft), logits)  # no state was committed
+    scored = torch.tensor(engine.score(ids + draft))[-len(draft) + 1:]
+    from_verify = torch.log_softmax(logits[:-1], -1).gather(
+        1, torch.tensor(draft[1:])[:, None])[:, 0]
+    torch.testing.assert_close(from_verify, scored, atol=2e-3, rtol=1e-3)
+    for m in range(1, 9):
+        assert engine.verify(draft[:m]).shape[0] == m
+    with pytest.raises(EngineError, match="at most 8"):
+        engine.verify(draft + [32])
+
+
+def test_verify_runs_the_selected_gemm_route_at_small_m():
+    eng = build({"gemm.nvfp4": "gemm.nvfp4.qpn2_packed"}, "quick")
+    eng.prefill(long_ids(64))
+    before = dict(eng.route_hits())
+    eng.verify(encode("abc"))
+    after = eng.route_hits()
+    assert after["gemm.nvfp4.qpn2_packed:m<=8"] - before.get("gemm.nvfp4.qpn2_packed:m<=8", 0) \
+        == 16
+    kernel = {k for k in after if "/" in k and after[k] != before.get(k, 0)}
+    assert any(k.startswith("gemm.nvfp4.") for k in kernel), kernel
+    assert not any("turbomind" in k for k in after)
+
+
+def test_bad_inputs_are_refused_clearly(engine):
+    fresh = build({}, "quick")
+    with pytest.raises(EngineError, match="call prefill"):
+        fresh.verify([65])
+    with pytest.raises(EngineError, match="empty"):
+        engine.prefill([])
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.score([BOS, 999])
+    with pytest.raises(EngineError, match="max_new_tokens"):
+        engine.generate("x", 0)
+    with pytest.raises(ValueError, match="unknown profile"):
+        build({}, "huge")
