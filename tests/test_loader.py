@@ -53,8 +53,24 @@ def test_probe_refuses_a_text_file(tmp_path):
 
 
 def test_probe_lists_the_ops_a_library_registers():
-    ops = probe_library(build.build_library("dense_only"))
+    """Probed from a fresh interpreter: the probe replays this process's loaded libraries first,
+    and a test session that already loaded the full build would (rightly) see a clash."""
+    library = build.build_library("dense_only")
+    ops = run_child("import json\nfrom pathlib import Path\n"
+                    "from pytest_dflash.loader import probe_library\n"
+                    f"print(json.dumps(probe_library(Path({str(library)!r}))))")
     assert ops == ["dense", "dense_splitkv"]
+
+
+def test_probe_after_the_full_build_reports_the_clash_instead_of_aborting():
+    full, dense_only = build.build_library("full"), build.build_library("dense_only")
+    status = run_child("import json, torch\nfrom pathlib import Path\n"
+                       "from pytest_dflash.loader import LoaderError, probe_library\n"
+                       f"torch.ops.load_library({str(full)!r})\n"
+                       f"try:\n    probe_library(Path({str(dense_only)!r}))\n"
+                       "    print(json.dumps('loaded'))\n"
+                       "except LoaderError as exc:\n    print(json.dumps(str(exc)))")
+    assert "killed by SIGABRT" in status and "refused" in status
 
 
 def test_library_without_the_namespace_is_not_loaded():
