@@ -86,6 +86,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- gated delta rule
+# exp(x) below this is flushed to 0: results change by < 1e-26 relative, and fp32 subnormals
+# (which long decays produce, e.g. exp(-100)) make CPU matmuls a hundredfold slower
+_EXP_FLOOR = -60.0
+_TINY = 1e-30
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x < _EXP_FLOOR, torch.zeros_like(x), x.exp())
+
+
+def _flush(s: torch.Tensor) -> torch.Tensor:
+    return torch.where(s.abs() < _TINY, torch.zeros_like(s), s)
+
+
 def gdr_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, state_dtype: torch.dtype = torch.float32,
@@ -101,12 +115,12 @@ def gdr_recurrent(
     outs = []
     for t in range(q.shape[1]):
         qt, kt, vt = q[:, t].float(), k[:, t].float(), v[:, t].float()
-        a = g[:, t].float().exp()[..., None, None]
+        a = _exp(g[:, t].float())[..., None, None]
         b = beta[:, t].float()[..., None]
         s = a * s
         u = b * (vt - torch.einsum("bhkv,bhk->bhv", s, kt))
         s = s + kt[..., :, None] * u[..., None, :]
-        s = s.to(state_dtype).float()
+        s = _flush(s.to(state_dtype).float())
         outs.append(torch.einsum("bhkv,bhk->bhv", s, qt))
     return torch.stack(outs, dim=1).to(v.dtype), s.to(state_dtype)
 
@@ -141,11 +155,11 @@ def gdr_chunked(
     gcum = gb.cumsum(-1)  # [B, H, n, C]
     diff = gcum[..., :, None] - gcum[..., None, :]
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = torch.where(lower, diff, torch.full_like(diff, -math.inf)).exp()
+    decay = _exp(torch.where(lower, diff, torch.full_like(diff, -math.inf)))
     kk = kb @ kb.transpose(-1, -2)
     strict = lower.logical_not().transpose(0, 1)  # strictly lower triangle
     lmat = torch.where(strict, bb[..., :, None] * decay * kk, torch.zeros_like(kk))
-    rhs = torch.cat([bb[..., None] * vb, bb[..., None] * gcum.exp()[..., None] * kb], dim=-1)
+    rhs = torch.cat([bb[..., None] * vb, bb[..., None] * _exp(gcum)[..., None] * kb], dim=-1)
     eye = torch.eye(chunk, dtype=lmat.dtype, device=lmat.device)
     # forward substitution: stable where a power-series inverse of (I + L) overflows (similar
     # keys make the powers of L grow binomially)
@@ -157,11 +171,11 @@ def gdr_chunked(
     for i in range(n):
         u = u_base[:, :, i] - w[:, :, i] @ s
         gi = gcum[:, :, i]
-        o = (qb[:, :, i] * gi.exp()[..., None]) @ s + qk[:, :, i] @ u
+        o = (qb[:, :, i] * _exp(gi)[..., None]) @ s + qk[:, :, i] @ u
         outs.append(o)
-        tail = (gi[..., -1:] - gi).exp()[..., None]  # e^(G_C - G_j)
-        s = gi[..., -1].exp()[..., None, None] * s + (kb[:, :, i] * tail).transpose(-1, -2) @ u
-        s = s.to(state_dtype).float()
+        tail = _exp(gi[..., -1:] - gi)[..., None]  # e^(G_C - G_j)
+        s = _exp(gi[..., -1])[..., None, None] * s + (kb[:, :, i] * tail).transpose(-1, -2) @ u
+        s = _flush(s.to(state_dtype).float())
     o = torch.stack(outs, dim=2)  # [B, H, n, C, dv]
     o = o.permute(0, 2, 3, 1, 4).reshape(bsz, n * chunk, heads, dv)[:, :t_len]
     return o.to(out_dtype), s.to(state_dtype)
