@@ -26,7 +26,7 @@ class Sizes:
 
 
 SIZES: dict[str, Sizes] = {
-    "quick": Sizes(2, 128, 4, (128, 256), 64),
+    "quick": Sizes(2, 128, 4, (256, 512), 64),
     "ci": Sizes(8, 512, 20, (512, 1024), 512),
     "full": Sizes(16, 1024, 300, (32768, 65536), 4096),
 }
