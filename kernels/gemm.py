@@ -36,6 +36,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
 from dflash_kernels.nvfp4 import GROUP_K, NVFP4Weight, dequantize, e2m1_table, validate
 from dflash_kernels.qpn import (
     BYTES_PER_GROUP_COLUMN,
@@ -45,8 +47,6 @@ from dflash_kernels.qpn import (
     prepare_qpn2,
     tile_view,
 )
-from torch import Tensor
-
 from pytest_dflash import hits
 
 FAMILY = "gemm.nvfp4"

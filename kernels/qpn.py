@@ -39,8 +39,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from dflash_kernels.nvfp4 import GROUP_K, NVFP4Weight, validate
 from torch import Tensor
+
+from dflash_kernels.nvfp4 import GROUP_K, NVFP4Weight, validate
 
 TILE_N = 32
 K_MULTIPLE = 64

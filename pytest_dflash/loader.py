@@ -276,6 +276,7 @@ def _verify(op: str, device: str) -> dict[str, Any]:
 def _tiny_call_error(op: str, device: Any) -> float:
     """Max abs error of one small GQA causal call (Tq < Tk, odd sizes) against fp64 math."""
     import torch
+
     from dflash_kernels.attention import reference_attention
 
     gen = torch.Generator().manual_seed(20261129)

@@ -16,8 +16,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from dflash_suites._loader_scenario import Outcome, Scenario, library_files, run_scenarios
 
+from dflash_suites._loader_scenario import Outcome, Scenario, library_files, run_scenarios
 from pytest_dflash.loader import file_sha256
 
 pytestmark = pytest.mark.sm70

@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from dflash_kernels.gemm import FAMILY, MAX_VERIFY_M, as_gemm_route, poisoned_buffers
 from dflash_kernels.nvfp4 import NVFP4Weight, quantize
-
 from pytest_dflash import hits
 from pytest_dflash.numerics import ParityResult, assert_bitwise_equal, check_parity
 from pytest_dflash.policy import Policy

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from dflash_kernels.gemm import FAMILY, as_gemm_route
 from dflash_suites.test_parity_gemm import (
     case_seed,
@@ -27,7 +28,6 @@ from dflash_suites.test_parity_gemm import (
     make_x,
     parity_case,
 )
-
 from pytest_dflash import hits
 
 pytestmark = pytest.mark.sm70

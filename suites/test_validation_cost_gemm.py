@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from dflash_kernels.gemm import FAMILY, as_gemm_route
 from dflash_suites.test_parity_gemm import case_seed, layer_shape, make_weight, make_x
-
 from pytest_dflash import hits
 from pytest_dflash.policy import Policy
 

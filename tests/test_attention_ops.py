@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+
 from dflash_kernels.attention import (
     FA2,
     ORACLE,
@@ -25,7 +26,6 @@ from dflash_kernels.attention import (
     gather_pages,
     reference_attention,
 )
-
 from pytest_dflash import hits
 
 SCALE = 0.0625

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dflash_kernels import gemm
 from dflash_kernels.gemm import (
     MAX_VERIFY_M,
@@ -21,7 +22,6 @@ from dflash_kernels.gemm import (
 )
 from dflash_kernels.nvfp4 import GLOBAL_DIVISOR, NVFP4Weight, quantize
 from dflash_suites import test_validation_cost_gemm as vc_suite
-
 from pytest_dflash import hits
 from pytest_dflash.numerics import assert_bitwise_equal, check_parity
 from pytest_dflash.policy import Policy

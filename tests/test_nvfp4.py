@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dflash_kernels.nvfp4 import (
     GLOBAL_DIVISOR,
     NVFP4Weight,

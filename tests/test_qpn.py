@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dflash_kernels.nvfp4 import quantize
 from dflash_kernels.qpn import FP16_SCALE_BIAS, QPNWeight, prepare_qpn2, tile_view
 
