@@ -22,7 +22,6 @@ clashing file costs a child process and an error message, never the session.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -32,6 +31,8 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pytest_dflash.fingerprint import sha256_file as file_sha256
 
 NAMESPACE = "dflash_d256"
 REQUIRED_OPS: tuple[str, ...] = ("dense", "paged")
@@ -114,14 +115,6 @@ _CURRENT: dict[str, LoaderStatus] = {}  # device -> status of the latest load_d2
 def loaded_libraries() -> list[dict[str, str]]:
     """Every native library this loader loaded into the process (for the evidence fingerprint)."""
     return [asdict(lib) for lib in _LOADED.values()]
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def namespace_ops() -> list[str]:

@@ -16,6 +16,7 @@ import pytest
 from pytest_dflash import hookspec, shipped
 from pytest_dflash import report as reports
 from pytest_dflash.gates import EXCLUSIVE_KINDS, GATE_KINDS, PROFILES, UnknownNameError, check_kind
+from pytest_dflash.loader import SIDECAR_ENV
 from pytest_dflash.policy import Policy, PolicyError, load_policy
 from pytest_dflash.registry import RegistryError, Route, RouteRegistry
 from pytest_dflash.table import render
@@ -23,7 +24,6 @@ from pytest_dflash.table import render
 STATE = pytest.StashKey["DflashState"]()
 PROPERTY = "dflash"  # user_properties key: travels with reports through xdist
 DEFAULT_REPORT = "dflash-report.json"
-SIDECAR_ENV = "DFLASH_D256_LIBRARY"
 
 
 class DflashState:
