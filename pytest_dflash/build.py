@@ -1,15 +1,29 @@
-"""Build the bundled native attention library (``kernels/csrc``) into a per-user cache.
+"""Build the bundled native library (every source in ``kernels/csrc``) into a per-user cache.
 
 Why a cache and not the source tree: an installed package's directory may be read-only or shared
 by several environments, and a build artefact next to the sources is exactly what once shadowed
 the installed operators. The cache key is the sha256 of the sources, the torch version and ABI,
-the compiler and the flags, so a changed source or a torch upgrade never reuses a stale library.
+the compilers and the flags, so a changed source or a torch upgrade never reuses a stale library.
 Two processes that build at once (xdist workers, parallel CI jobs) serialise on a file lock and
 the finished library appears by atomic rename, so nobody ever loads a half-written file.
 
 The result is a plain shared library that registers torch ops when loaded with
-``torch.ops.load_library`` (not a Python extension module): g++ is invoked directly with torch's
-include and library paths, which is quicker and has fewer moving parts than setuptools.
+``torch.ops.load_library`` (not a Python extension module): g++ (and nvcc for CUDA sources) are
+invoked directly with torch's include and library paths, which is quicker and has fewer moving
+parts than setuptools.
+
+Sources: every ``csrc/*.cpp`` goes into the library, so a new source file needs no change here.
+Every ``csrc/*.cu`` is added when torch was built with CUDA and ``nvcc`` is found (see
+:func:`cuda_plan`); the CUDA objects are linked into the same library, so the same op namespace
+gets CPU and CUDA kernels from one file. On a CPU-only machine the library is the CPU part alone
+and :func:`cuda_plan` says why, which the loader reports on a CUDA run (state *partial*).
+
+``$DFLASH_CUDA_ARCH`` lists the CUDA targets, comma separated: ``sm_XY`` (machine code for that
+GPU), ``compute_XY`` (PTX the driver compiles at load for XY and newer) or ``X.Y`` (= ``sm_XY``);
+``none`` builds no CUDA code. Default: machine code for the GPU present plus PTX for the oldest
+architecture the toolkit accepts (compute_70 before CUDA 13, compute_75 from CUDA 13 on), which
+proves on every build that the kernels use nothing newer than a V100 (Volta) has, as the target
+deployment needs. A V100 user with CUDA 12 builds ``sm_70`` by default.
 """
 
 from __future__ import annotations
@@ -17,10 +31,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -28,22 +44,71 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     # registers only the dense op: a deliberately partial library for the loader gate
     "dense_only": ("-DDFLASH_DENSE_ONLY",),
 }
-SOURCES: tuple[str, ...] = ("attn_d256.cpp",)
 # Portable flags only: the library must run on any x86-64/aarch64 machine the wheel lands on.
 # Vector speed comes from ATen's run-time dispatched kernels, not from -march.
 CFLAGS: tuple[str, ...] = ("-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-Wall")
+# nvcc: torch's own half/bfloat16 conventions (c10::Half owns the conversions), C++20 as above.
+NVCC_FLAGS: tuple[str, ...] = (
+    "-O3", "-std=c++20", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
+    "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+)
 LIBRARY_STEM = "libdflash_d256"
+CUDA_ARCH_ENV = "DFLASH_CUDA_ARCH"
+_ARCH_TOKEN = re.compile(r"^(?:(sm|compute)_(\d{2,3})|(\d+)\.(\d))$")
 
 
 class BuildError(RuntimeError):
     """The native library could not be built; the message carries the compiler's output."""
 
 
+@dataclass(frozen=True)
+class CudaPlan:
+    """Whether the CUDA sources are compiled, why not if not, and for which targets."""
+
+    enabled: bool
+    reason: str  # why CUDA code is (not) built: shown by the loader on a CUDA run
+    nvcc: str | None = None
+    cuda_home: str | None = None
+    version: str | None = None  # nvcc's release line
+    targets: tuple[str, ...] = ()  # e.g. ("sm_90", "compute_75")
+
+    def gencode(self) -> list[str]:
+        flags = []
+        for target in self.targets:
+            kind, num = target.split("_")
+            code = f"sm_{num}" if kind == "sm" else f"compute_{num}"
+            flags.append(f"-gencode=arch=compute_{num},code={code}")
+        return flags
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Everything one build runs: nvcc per CUDA source (objects), then g++ for C++ + link."""
+
+    variant: str
+    key: str
+    cxx_cmd: list[str]  # compile flags and C++ sources; CUDA objects follow at build time
+    link_flags: list[str]  # after the objects, so --as-needed keeps every library they use
+    cuda: CudaPlan
+    nvcc_cmds: list[tuple[Path, list[str]]] = field(default_factory=list)  # (source, cmd - -o)
+
+
 def csrc_dir() -> Path:
-    """The C++ sources shipped with the ``dflash_kernels`` package."""
+    """The C++/CUDA sources shipped with the ``dflash_kernels`` package."""
     import dflash_kernels
 
     return Path(dflash_kernels.__file__).resolve().parent / "csrc"
+
+
+def cpp_sources() -> list[Path]:
+    """Every ``csrc/*.cpp``, sorted: all of them go into the one library."""
+    return sorted(csrc_dir().glob("*.cpp"))
+
+
+def cuda_sources() -> list[Path]:
+    """Every ``csrc/*.cu``, sorted: compiled in when :func:`cuda_plan` is enabled."""
+    return sorted(csrc_dir().glob("*.cu"))
 
 
 def default_cache_dir() -> Path:
@@ -76,15 +141,104 @@ def _compiler_version(cxx: str) -> str:
     return done.stdout.splitlines()[0] if done.stdout else cxx
 
 
+def _find_nvcc() -> str | None:
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and (Path(home) / "bin" / "nvcc").is_file():
+            return str(Path(home) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.is_file() else None
+
+
+def _nvcc_release(nvcc: str) -> tuple[str, tuple[int, int]]:
+    try:
+        done = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except OSError as exc:
+        raise BuildError(f"nvcc {nvcc!r} cannot run: {exc}; set CUDA_HOME to a working "
+                         f"toolkit or {CUDA_ARCH_ENV}=none for a CPU-only build") from None
+    match = re.search(r"release (\d+)\.(\d+)", done.stdout)
+    if done.returncode != 0 or not match:
+        raise BuildError(f"nvcc {nvcc!r} printed no release number: {done.stdout[-300:]!r}")
+    line = next(ln for ln in done.stdout.splitlines() if "release" in ln)
+    return line.strip(), (int(match.group(1)), int(match.group(2)))
+
+
+def parse_cuda_arch(spec: str) -> tuple[str, ...]:
+    """``"compute_75, sm_90"`` / ``"7.0"`` -> ``("compute_75", "sm_90")`` / ``("sm_70",)``."""
+    targets = []
+    for token in (t.strip() for t in spec.split(",")):
+        match = _ARCH_TOKEN.match(token)
+        if not match:
+            raise BuildError(
+                f"{CUDA_ARCH_ENV}={spec!r}: {token!r} is not a CUDA target; write sm_XY, "
+                "compute_XY or X.Y, comma separated (e.g. 'compute_75,sm_90'), or 'none'"
+            )
+        if match.group(1):
+            targets.append(f"{match.group(1)}_{match.group(2)}")
+        else:
+            targets.append(f"sm_{match.group(3)}{match.group(4)}")
+    return tuple(dict.fromkeys(targets))
+
+
+def cuda_plan() -> CudaPlan:
+    """Decide whether the ``.cu`` sources are compiled, and for which targets, with the reason.
+
+    CUDA code is built when there are CUDA sources, torch was built with CUDA, nvcc is found
+    (``$CUDA_HOME/bin``, ``$CUDA_PATH/bin``, ``PATH``, ``/usr/local/cuda/bin``) and a target is
+    known (``$DFLASH_CUDA_ARCH``, else the GPU present).
+    """
+    import torch
+
+    spec = os.environ.get(CUDA_ARCH_ENV, "").strip()
+    if spec.lower() == "none":
+        return CudaPlan(False, f"CUDA code not built: {CUDA_ARCH_ENV}=none")
+    if torch.version.cuda is None:
+        return CudaPlan(False, f"CUDA code not built: torch {torch.__version__} has no CUDA "
+                        "support (install a CUDA build of torch)")
+    if not cuda_sources():
+        return CudaPlan(False, "the package ships no CUDA sources")
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        return CudaPlan(False, "CUDA code not built: nvcc not found (looked in $CUDA_HOME/bin, "
+                        "$CUDA_PATH/bin, PATH, /usr/local/cuda/bin); install the CUDA toolkit "
+                        f"matching torch's CUDA {torch.version.cuda} or set CUDA_HOME")
+    version, (major, _) = _nvcc_release(nvcc)
+    if spec:
+        targets = parse_cuda_arch(spec)
+    elif torch.cuda.is_available():
+        cc_major, cc_minor = torch.cuda.get_device_capability()
+        oldest = "compute_75" if major >= 13 else "compute_70"
+        targets = tuple(dict.fromkeys((f"sm_{cc_major}{cc_minor}", oldest)))
+    else:
+        return CudaPlan(False, f"CUDA code not built: no CUDA device visible and "
+                        f"{CUDA_ARCH_ENV} unset (set it, e.g. 'sm_70', to build without a GPU)",
+                        nvcc=nvcc, version=version)
+    home = str(Path(nvcc).resolve().parent.parent)
+    return CudaPlan(True, f"CUDA code built with {version} for {', '.join(targets)}",
+                    nvcc=nvcc, cuda_home=home, version=version, targets=targets)
+
+
 def _torch_flags() -> list[str]:
     import torch
     from torch.utils import cpp_extension
 
     flags = [f"-I{p}" for p in cpp_extension.include_paths()]
     flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
-    lib_dir = Path(torch.__file__).resolve().parent / "lib"
-    flags += [f"-L{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib_dir}"]
     return flags
+
+
+def _torch_link_flags(cuda: CudaPlan) -> list[str]:
+    import torch
+
+    lib_dir = Path(torch.__file__).resolve().parent / "lib"
+    flags = [f"-L{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch"]
+    if cuda.enabled:
+        home = Path(cuda.cuda_home or "")
+        flags += [f"-L{d}" for d in (home / "lib64", home / "lib") if d.is_dir()]
+        flags += ["-lc10_cuda", "-ltorch_cuda", "-lcudart"]
+    return [*flags, f"-Wl,-rpath,{lib_dir}"]
 
 
 def _check_outside_sources(cache_dir: Path) -> None:
@@ -98,25 +252,45 @@ def _check_outside_sources(cache_dir: Path) -> None:
             )
 
 
-def build_key(variant: str = "full") -> tuple[str, list[str]]:
-    """The cache key (hex sha256) and the full compiler command line minus its output path."""
+def build_plan(variant: str = "full") -> BuildPlan:
+    """The commands of one build and its cache key (sources, torch, compilers, flags)."""
     import torch
 
     if variant not in VARIANTS:
         raise BuildError(f"unknown variant {variant!r}; known variants: {', '.join(VARIANTS)}")
     cxx = _compiler()
-    sources = [csrc_dir() / name for name in SOURCES]
-    for src in sources:
-        if not src.is_file():
-            raise BuildError(f"C++ source {src} is missing: the dflash_kernels install is broken")
-    cmd = [cxx, *CFLAGS, *VARIANTS[variant], *map(str, sources), *_torch_flags()]
+    sources = cpp_sources()
+    if not sources:
+        raise BuildError(f"no C++ sources in {csrc_dir()}: the dflash_kernels install is broken")
+    cuda = cuda_plan()
+    cu_sources = cuda_sources() if cuda.enabled else []
+    defines = [*VARIANTS[variant], *(["-DDFLASH_WITH_CUDA"] if cuda.enabled else [])]
+    cxx_cmd = [cxx, *CFLAGS, *defines, *map(str, sources), *_torch_flags()]
+    link_flags = _torch_link_flags(cuda)
+    nvcc_cmds = [
+        (src, [str(cuda.nvcc), *NVCC_FLAGS, "-ccbin", cxx, *cuda.gencode(), *defines,
+               *_torch_flags(), "-c", str(src)])
+        for src in cu_sources
+    ]
     digest = hashlib.sha256()
-    for src in sources:
+    for src in [*sources, *cu_sources, *sorted(csrc_dir().glob("*.h")),
+                *sorted(csrc_dir().glob("*.cuh"))]:
         digest.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     digest.update(torch.__version__.encode() + b"\0")
     digest.update(_compiler_version(cxx).encode() + b"\0")
-    digest.update("\0".join(cmd[1:]).encode())
-    return digest.hexdigest(), cmd
+    digest.update("\0".join([*cxx_cmd[1:], *link_flags]).encode())
+    if cuda.enabled:
+        digest.update(b"\0cuda\0" + str(cuda.version).encode())
+        for _, cmd in nvcc_cmds:
+            digest.update(b"\0" + "\0".join(cmd[1:]).encode())
+    return BuildPlan(variant, digest.hexdigest(), cxx_cmd, link_flags, cuda, nvcc_cmds)
+
+
+def build_key(variant: str = "full") -> tuple[str, list[str]]:
+    """The cache key (hex sha256) and the C++ compile-and-link command minus its output path
+    (and minus the CUDA objects, which a CUDA build adds before the link flags)."""
+    plan = build_plan(variant)
+    return plan.key, [*plan.cxx_cmd, *plan.link_flags]
 
 
 def library_path(variant: str = "full", cache_dir: Path | None = None) -> Path:
@@ -126,8 +300,21 @@ def library_path(variant: str = "full", cache_dir: Path | None = None) -> Path:
     return root / key[:24] / f"{LIBRARY_STEM}_{variant}.so"
 
 
+def _run(cmd: list[str], target: Path) -> None:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as exc:
+        raise BuildError(f"building {target.name} failed: {cmd[0]} cannot run: {exc}") from None
+    if done.returncode != 0:
+        raise BuildError(
+            f"building {target.name} failed (exit {done.returncode}):\n"
+            f"$ {' '.join(cmd)}\n{(done.stderr or done.stdout)[-4000:]}"
+        )
+
+
 def build_library(variant: str = "full", cache_dir: Path | None = None) -> Path:
-    """Return the cached library for ``variant``, compiling it first if needed (~15 s).
+    """Return the cached library for ``variant``, compiling it first if needed (~15 s for the
+    C++ part, about a minute more with CUDA sources).
 
     Safe against concurrent builders: the first takes the lock and compiles into a temporary
     file in the same directory, then renames it into place; the others wait on the lock and find
@@ -137,28 +324,28 @@ def build_library(variant: str = "full", cache_dir: Path | None = None) -> Path:
 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     _check_outside_sources(root)
-    key, cmd = build_key(variant)
-    target = root / key[:24] / f"{LIBRARY_STEM}_{variant}.so"
+    plan = build_plan(variant)
+    target = root / plan.key[:24] / f"{LIBRARY_STEM}_{variant}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target) + ".lock", timeout=600):
+    with FileLock(str(target) + ".lock", timeout=900):
         if target.is_file():  # built by another process while we waited
             return target
         fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
         os.close(fd)
         tmp = Path(tmp_name)
+        objects = [tmp.with_name(f"{tmp.name}.{src.stem}.o") for src, _ in plan.nvcc_cmds]
         try:
-            done = subprocess.run([*cmd, "-o", str(tmp)], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise BuildError(
-                    f"building {target.name} failed (exit {done.returncode}):\n"
-                    f"$ {' '.join(cmd)} -o {tmp}\n{done.stderr[-4000:]}"
-                )
+            for (_, cmd), obj in zip(plan.nvcc_cmds, objects, strict=True):
+                _run([*cmd, "-o", str(obj)], target)
+            _run([*plan.cxx_cmd, *map(str, objects), *plan.link_flags, "-o", str(tmp)], target)
             os.chmod(tmp, 0o755)
             os.replace(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)
+            for obj in objects:
+                obj.unlink(missing_ok=True)
     return target
 
 
@@ -171,7 +358,7 @@ def main_build(argv: list[str] | None = None) -> int:
     """``pytest-dflash build``: compile ahead of time (e.g. in a Docker layer), print the path."""
     parser = argparse.ArgumentParser(
         prog="pytest-dflash build",
-        description="Build the bundled D256 attention library into the per-user cache.",
+        description="Build the bundled native library (kernels/csrc) into the per-user cache.",
     )
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="full")
     parser.add_argument("--cache-dir", type=Path, default=None,
@@ -180,8 +367,10 @@ def main_build(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         path = build_library(args.variant, args.cache_dir)
+        plan = cuda_plan()
     except BuildError as exc:
         print(f"pytest-dflash build: {exc}", file=sys.stderr)
         return 1
+    print(plan.reason, file=sys.stderr)
     print(path)
     return 0

@@ -103,3 +103,41 @@ def test_two_concurrent_builders_share_one_build(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.strip() == "[True, True]", probe.stdout
+
+
+def test_every_cpp_source_in_csrc_goes_into_the_library(tmp_path, monkeypatch):
+    """A new ``csrc/*.cpp`` (another engineer's kernels) is compiled in without a change to the
+    build, and changes the key."""
+    src = tmp_path / "csrc"
+    shutil.copytree(build.csrc_dir(), src)
+    monkeypatch.setattr(build, "csrc_dir", lambda: src)
+    before = build.build_key("full")[0]
+    (src / "zz_extra.cpp").write_text("// another op family\n")
+    key, cmd = build.build_key("full")
+    assert str(src / "zz_extra.cpp") in cmd and str(src / "attn_d256.cpp") in cmd
+    assert key != before
+
+
+def test_cuda_targets_parse_and_map_to_gencode():
+    assert build.parse_cuda_arch("compute_75, sm_90") == ("compute_75", "sm_90")
+    assert build.parse_cuda_arch("7.0,sm_70") == ("sm_70",)
+    plan = build.CudaPlan(True, "", targets=("sm_90", "compute_75"))
+    assert plan.gencode() == ["-gencode=arch=compute_90,code=sm_90",
+                              "-gencode=arch=compute_75,code=compute_75"]
+    with pytest.raises(build.BuildError, match="'volta' is not a CUDA target.*sm_XY"):
+        build.parse_cuda_arch("sm_70,volta")
+
+
+def test_cuda_plan_says_why_no_cuda_code_is_built(monkeypatch):
+    import torch
+
+    monkeypatch.setenv(build.CUDA_ARCH_ENV, "none")
+    plan = build.cuda_plan()
+    assert not plan.enabled and "DFLASH_CUDA_ARCH=none" in plan.reason
+    monkeypatch.delenv(build.CUDA_ARCH_ENV)
+    plan = build.cuda_plan()
+    if torch.version.cuda is None:
+        assert not plan.enabled and "has no CUDA support" in plan.reason
+        assert not any(part.startswith("-gencode") for part in build.build_key("full")[1])
+    else:
+        assert plan.enabled or "nvcc not found" in plan.reason or "no CUDA device" in plan.reason
