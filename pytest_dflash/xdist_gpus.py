@@ -1,0 +1,187 @@
+"""pytest wiring of ``pytest_dflash.gpus``: ``pytest -n N`` on a GPU box gives each worker a card.
+
+Controller: when the run is distributed and the gates' device is not forced to the CPU, the
+visible GPUs are discovered (no CUDA initialisation), one is planned per worker (more workers
+than GPUs, or mixed card models, is a usage error) and every worker's execnet spec gets its card's
+``CUDA_VISIBLE_DEVICES``. Each timing gate (route and kind) is one scheduling unit, so a gate's
+baseline/candidate pairs are all timed in one worker, on one card: the workers leave the group
+of each timing test in a folder and the controller's scheduler (xdist's ``loadgroup`` scheduler
+with those groups) hands out whole groups. The groups do not travel as ``xdist_group`` marks:
+with pytest 9.2 xdist's mark-to-node-id mechanism silently stops grouping (pytest-xdist issue
+1386), and it would also rename the tests in the report. ``-n auto`` means one worker per
+visible GPU.
+
+Registered by the ``pytest11`` entry point ``dflash-gpus``; it acts only where the main plugin is
+active. Without GPUs (or with ``--dflash-device cpu``) nothing changes: timing gates stay refused
+under xdist.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import pytest
+
+from pytest_dflash import gpus
+from pytest_dflash.gates import EXCLUSIVE_KINDS
+
+PLAN = pytest.StashKey["list[gpus.Gpu] | None"]()
+WORKER_GPU = pytest.StashKey["gpus.Gpu | None"]()
+SAVED_ENV = pytest.StashKey["dict[str, str | None]"]()
+
+
+def _device_option(config: pytest.Config) -> str:
+    value = config.getoption("dflash_device", None)
+    if value is None:
+        try:
+            value = config.getini("dflash_device")
+        except ValueError:  # the main plugin is disabled (-p no:dflash)
+            return "cpu"
+    return value or "auto"
+
+
+def _wanted_gpus(config: pytest.Config) -> list[gpus.Gpu] | None:
+    """The GPUs to spread over, or None when the gates run on the CPU (today's xdist mode)."""
+    device = _device_option(config)
+    if device == "cpu" or not config.pluginmanager.has_plugin("dflash"):
+        return None
+    try:
+        found = gpus.discover()
+    except gpus.GpuError as exc:
+        raise pytest.UsageError(f"pytest-dflash: {exc}") from None
+    if not found and device == "auto":
+        return None
+    return found
+
+
+def _distributed(config: pytest.Config) -> bool:
+    option = config.option
+    return (getattr(option, "dist", "no") != "no" and bool(getattr(option, "tx", None))
+            and not hasattr(config, "workerinput"))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto`` on a GPU box: one worker per visible GPU (None: xdist counts CPUs)."""
+    found = _wanted_gpus(config)
+    return len(found) if found else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[PLAN] = None
+    config.stash[WORKER_GPU] = None
+    if hasattr(config, "workerinput"):
+        _configure_worker(config)
+    elif _distributed(config):
+        _configure_controller(config)
+
+
+def _configure_controller(config: pytest.Config) -> None:
+    found = _wanted_gpus(config)
+    if found is None:
+        return
+    from xdist.workermanage import parse_tx_spec_config
+
+    specs = parse_tx_spec_config(config)
+    dist = config.option.dist
+    if dist not in ("load", "loadgroup"):
+        raise pytest.UsageError(
+            f"pytest-dflash: --dist {dist} could split a timing gate across GPUs; with one GPU "
+            "per worker pytest-dflash schedules whole timing gates itself: use the default "
+            "--dist load (or loadgroup)")
+    try:
+        cards = gpus.plan(found, len(specs))
+        config.option.tx = [gpus.worker_spec(specs[slot], slot, gpu)
+                            for slot, gpu in enumerate(cards)]
+    except gpus.GpuError as exc:
+        raise pytest.UsageError(f"pytest-dflash: {exc}") from None
+    config.stash[SAVED_ENV] = {name: os.environ.get(name)
+                               for name in (gpus.PLAN_ENV, gpus.GROUPS_ENV)}
+    # inherited by the workers
+    os.environ[gpus.PLAN_ENV] = gpus.encode_plan(cards)
+    os.environ[gpus.GROUPS_ENV] = tempfile.mkdtemp(prefix="dflash-gpu-groups-")
+    config.stash[PLAN] = cards
+
+
+def _configure_worker(config: pytest.Config) -> None:
+    try:
+        config.stash[WORKER_GPU] = gpus.worker_gpu()
+    except gpus.GpuError as exc:
+        raise pytest.UsageError(f"pytest-dflash: {exc}") from None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    saved = config.stash.get(SAVED_ENV, None)
+    if saved is None:
+        return
+    shutil.rmtree(os.environ[gpus.GROUPS_ENV], ignore_errors=True)
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Worker: tell the controller's scheduler which tests form one timing gate."""
+    if config.stash.get(WORKER_GPU, None) is None:
+        return
+    groups = {}
+    for item in items:
+        marker = item.get_closest_marker("gate")
+        callspec = getattr(item, "callspec", None)
+        route = callspec.params.get("dflash_route") if callspec else None
+        if marker is not None and route is not None and marker.args[0] in EXCLUSIVE_KINDS:
+            groups[item.nodeid] = gpus.group_name(route.name, marker.args[0])
+    gpus.write_groups(os.environ[gpus.GROUPS_ENV], int(os.environ[gpus.SLOT_ENV]), groups)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if plan_of(config) is None:
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class GateGroupScheduling(LoadGroupScheduling):
+        """xdist's group scheduler, the groups read from the workers' maps, not node ids.
+
+        xdist asks for scopes only once every worker has finished collecting, so the maps
+        are complete when first read."""
+
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                self.groups = gpus.read_groups(os.environ[gpus.GROUPS_ENV])
+            return self.groups.get(nodeid) or super()._split_scope(nodeid)
+
+    return GateGroupScheduling(config, log)
+
+
+def plan_of(config: pytest.Config) -> list[gpus.Gpu] | None:
+    """The controller's plan (one card per worker slot), or None outside GPU-distributed runs."""
+    return config.stash.get(PLAN, None)
+
+
+def gpu_of(config: pytest.Config) -> gpus.Gpu | None:
+    """The card this worker owns, or None (controller, CPU run, or no GPU assignment)."""
+    return config.stash.get(WORKER_GPU, None)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    cards = plan_of(config)
+    if not cards:
+        return []
+    owned = "; ".join(f"worker {slot}: GPU {g.index} {g.name} {g.uuid}"
+                      for slot, g in enumerate(cards))
+    return [f"dflash: {len(cards)} xdist workers, one GPU each ({owned})"]
+
+
+def describe(gpu: gpus.Gpu | None) -> dict[str, Any] | None:
+    """The per-test GPU record of the report: index, name and UUID of the measuring card."""
+    return None if gpu is None else {"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid}
