@@ -1,17 +1,25 @@
 """``pytest-dflash``: read evidence reports outside pytest.
 
 Exit status: 0 success (for ``verdict``: every candidate accepted), 1 a candidate is not
-accepted, 2 a usage error or an unreadable report.
+accepted, 2 a usage error, an unreadable, malformed or corrupt report, a report of other code
+(``enable``), or a failed build. Every verdict printed here is recomputed from the report's
+tests (``pytest_dflash.report.load``), never read from the stored field.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from pytest_dflash import report as reports
 from pytest_dflash.table import render
+
+#: fingerprint fields that say which code and kernels the evidence is about (checked by enable)
+CODE_FIELDS = ("git_head", "git_dirty_sha256", "kernel_sources_sha256", "sidecar_sha256")
 
 
 def _verdict(args: argparse.Namespace) -> int:
@@ -50,18 +58,62 @@ def _diff(args: argparse.Namespace) -> int:
 
 def _enable(args: argparse.Namespace) -> int:
     data = reports.load(Path(args.report))
+    changed = _foreign_fields(data["fingerprint"], Path(args.root))
+    if changed and not args.any_fingerprint:
+        raise reports.ReportError(
+            f"{args.report}: enable refused: the report was measured on other code or kernels "
+            f"than {Path(args.root).resolve()} ({'; '.join(changed)}); rerun the gates on this "
+            "code, or pass --any-fingerprint to enable its routes anyway"
+        )
+    if changed:
+        print(f"pytest-dflash: --any-fingerprint: enabling evidence of other code "
+              f"({'; '.join(changed)})", file=sys.stderr)
     for entry in sorted(data["routes"].values(), key=lambda e: e["switch"]):
         if entry["verdict"] == "accept":
             print(f"{entry['switch']}=1")
     return 0
 
 
+def _foreign_fields(recorded: dict, root: Path) -> list[str]:
+    """``field: report -> here`` for every code/kernel fingerprint field that differs."""
+    from pytest_dflash import fingerprint
+    from pytest_dflash.loader import SIDECAR_ENV
+
+    sidecar = os.environ.get(SIDECAR_ENV)
+    here = fingerprint.collect(root, Path(sidecar) if sidecar else None)
+    return [f"{name}: {recorded.get(name)} -> {here.get(name)}" for name in CODE_FIELDS
+            if recorded.get(name) != here.get(name)]
+
+
 def _build(args: argparse.Namespace) -> int:
     from pytest_dflash import build
 
-    path = build.build_library(variant=args.variant)
+    try:
+        path = build.build_library(variant=args.variant, cache_dir=args.cache_dir)
+    except build.BuildError as exc:
+        log = _write_log(str(exc), args.cache_dir or build.default_cache_dir(), args.variant)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"pytest-dflash build: {first}\nfull command and compiler output: {log}",
+              file=sys.stderr)
+        return 2
     print(path)
     return 0
+
+
+def _write_log(text: str, cache_dir: Path, variant: str) -> Path:
+    """Keep a failed build's output in a file (the cache, else the temp dir) and return it."""
+    name = f"build-{variant}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    try:
+        folder = Path(cache_dir) / "logs"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / name
+        path.write_text(text + "\n", encoding="utf-8")
+    except OSError:
+        handle, tmp = tempfile.mkstemp(prefix="pytest-dflash-" + name)
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text + "\n")
+        path = Path(tmp)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,9 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     diff.set_defaults(run=_diff)
     enable = sub.add_parser("enable", help="print NAME=1 for every accepted route")
     enable.add_argument("report")
+    enable.add_argument("--root", default=".", help="checkout the switches are for; its code and "
+                        "kernels must match the report's fingerprint (default: .)")
+    enable.add_argument("--any-fingerprint", action="store_true",
+                        help="enable even if the report was measured on other code or kernels")
     enable.set_defaults(run=_enable)
     build = sub.add_parser("build", help="build the bundled D256 op library ahead of time")
     build.add_argument("--variant", choices=("full", "dense_only"), default="full")
+    build.add_argument("--cache-dir", type=Path, default=None,
+                       help="cache directory (default: $DFLASH_CACHE_DIR or "
+                       "~/.cache/pytest-dflash)")
     build.set_defaults(run=_build)
     args = parser.parse_args(argv)
     try:

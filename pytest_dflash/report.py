@@ -1,23 +1,30 @@
 """The JSON evidence report: schema, atomic write, validated read, and merge of a rerun.
 
 The report is the unit of evidence: the CLI reads it back, CI jobs merge gate reruns into it,
-and the verdict is recomputed from it by ``pytest_dflash.verdict`` every time.
+and the verdict is recomputed from it by ``pytest_dflash.verdict`` every time. Reading is
+defensive: the file is checked against the published JSON Schema (``report.schema.json``), and
+a stored decision that its own tests do not support makes the report corrupt. The report is not
+signed: these checks catch a decision edited without its evidence, not evidence forged whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from datetime import UTC, datetime
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from pytest_dflash import fingerprint as fp
-from pytest_dflash.verdict import recompute
+from pytest_dflash.policy import Policy, PolicyError, policy_from_overrides
+from pytest_dflash.verdict import disagreements, recompute
 
 SCHEMA = "pytest-dflash/report/1"
-TOP_KEYS = ("schema", "created", "fingerprint", "device", "profile", "policy", "routes")
+SCHEMA_FILE = "report.schema.json"
 
 
 class ReportError(ValueError):
@@ -81,6 +88,11 @@ def write_atomic(report: dict[str, Any], path: Path) -> None:
 
 
 def load(path: Path) -> dict[str, Any]:
+    """Read, validate and audit a report; its derived fields come back freshly recomputed.
+
+    Every problem is a :class:`ReportError` naming the file and the offending field or route,
+    never another exception: the CLI turns it into exit status 2.
+    """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -95,29 +107,136 @@ def load(path: Path) -> dict[str, Any]:
             f"{path}: corrupt report, not valid JSON ({exc.msg} at line {exc.lineno}); "
             "delete it and rerun the gates"
         ) from None
+    except (RecursionError, ValueError) as exc:
+        raise ReportError(f"{path}: corrupt report, not usable JSON ({exc})") from None
     validate(data, path)
     return data
 
 
+def schema() -> dict[str, Any]:
+    """The published JSON Schema of a report (``pytest_dflash/report.schema.json``)."""
+    text = resources.files("pytest_dflash").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
+    return json.loads(text)
+
+
 def validate(data: Any, path: Path | str = "report") -> None:
+    """Schema, policy, registration and verdict checks; refreshes the derived fields in place.
+
+    The stored verdicts and gate statuses are never believed: they are recomputed from the
+    recorded tests, the required gates and the recorded policy, and a disagreement makes the
+    report corrupt (somebody edited the decision without the evidence).
+    """
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise ReportError(
             f"{path}: not a pytest-dflash report (schema {found!r}, expected {SCHEMA!r})"
         )
-    missing = [key for key in TOP_KEYS if key not in data]
-    if missing:
-        raise ReportError(f"{path}: report lacks {', '.join(missing)}; it is truncated or edited")
-    if not isinstance(data["routes"], dict):
-        raise ReportError(f"{path}: 'routes' must be an object")
-    for name, entry in data["routes"].items():
-        try:
-            for gate in entry["gates"].values():
-                for test in gate["tests"]:
-                    test["nodeid"], test["outcome"]  # noqa: B018 - presence check
-            entry["required"], entry["verdict"]  # noqa: B018
-        except (KeyError, TypeError, AttributeError):
-            raise ReportError(f"{path}: route {name!r} is malformed; rerun the gates") from None
+    _check_schema(data, path)
+    policy = _policy(data["policy"], path)
+    _check_routes(data["routes"], path)
+    problems = disagreements(data["routes"], policy)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ReportError(
+            f"{path}: corrupt report: {problems[0]}{more}; the decision was edited without the "
+            "evidence: rerun the gates"
+        )
+    recompute(data["routes"])
+
+
+def field_name(parts: Iterable[str | int]) -> str:
+    """``routes["gemm.nvfp4.qpn2"].switch``: a JSON path a reader can find in the file."""
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part.isidentifier():
+            text += f".{part}" if text else part
+        else:
+            text += f"[{json.dumps(part)}]"
+    return text or "the top level"
+
+
+def _check_schema(data: dict[str, Any], path: Path | str) -> None:
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import best_match
+
+    error = best_match(Draft202012Validator(schema()).iter_errors(data))
+    if error is None:
+        return
+    where = list(error.absolute_path)
+    if error.validator == "required":
+        missing = [k for k in error.validator_value if k not in error.instance]
+        problem = "is missing"
+        where.append(missing[0])
+    elif error.validator == "additionalProperties":
+        known = error.schema.get("properties", {})
+        where.append(next(k for k in error.instance if k not in known))
+        problem = "is not a field of a report"
+    elif "propertyNames" in error.schema_path:
+        problem = f"has a key that is not allowed: {error.message}"
+    elif error.validator == "type":
+        expected = error.validator_value
+        problem = f"must be of type {expected}, got {type(error.instance).__name__}"
+    else:
+        problem = f"is invalid: {error.message}"
+    if len(problem) > 300:
+        problem = problem[:297] + "..."
+    raise ReportError(
+        f"{path}: malformed report: field {field_name(where)} {problem}; the file was truncated "
+        "or edited: rerun the gates"
+    )
+
+
+def _policy(recorded: dict[str, Any], path: Path | str) -> Policy:
+    """The recorded thresholds as a Policy: unknown names or wrong types make the report bad."""
+    thresholds = {k: v for k, v in recorded.items() if k != "output_contract"}
+    known = {f.name for f in dataclasses.fields(Policy)}
+    for name in thresholds:
+        if name not in known:
+            raise ReportError(f"{path}: malformed report: field policy.{name} names no threshold "
+                              f"of pytest_dflash.policy; known: {', '.join(sorted(known))}")
+    try:
+        return policy_from_overrides(thresholds)
+    except PolicyError as exc:
+        message = str(exc).replace("[tool.pytest-dflash] ", "field policy.")
+        raise ReportError(f"{path}: malformed report: {message}") from None
+
+
+def _check_routes(routes: dict[str, Any], path: Path | str) -> None:
+    """Route metadata the report cannot change: a shipped route's registration, unique switches.
+
+    Without this an edited ``switch`` would make ``enable`` print another route's switch, and an
+    edited ``required`` list would drop a failed gate from the decision.
+    """
+    from pytest_dflash.shipped import SHIPPED_ROUTES
+
+    shipped = {route.name: route for route in SHIPPED_ROUTES}
+    owners: dict[str, str] = {}
+    for name, entry in routes.items():
+        if not name.startswith(entry["family"] + "."):
+            raise ReportError(
+                f"{path}: malformed report: field {field_name(['routes', name, 'family'])}: "
+                f"route {name!r} is not of family {entry['family']!r}"
+            )
+        other = owners.setdefault(entry["switch"], name)
+        if other != name:
+            raise ReportError(
+                f"{path}: corrupt report: routes {other!r} and {name!r} share the switch "
+                f"{entry['switch']!r}"
+            )
+        route = shipped.get(name)
+        if route is None:
+            continue
+        expected = route_entry(route)
+        for key in ("family", "role", "baseline", "switch", "required"):
+            if entry[key] != expected[key]:
+                raise ReportError(
+                    f"{path}: corrupt report: field {field_name(['routes', name, key])} is "
+                    f"{entry[key]!r}, but the shipped route {name!r} is registered with "
+                    f"{expected[key]!r}: the report was edited or made by another version of "
+                    "pytest-dflash; rerun the gates"
+                )
 
 
 def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

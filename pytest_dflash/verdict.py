@@ -6,8 +6,13 @@ report's data, so a verdict read back from a report is computed exactly like a l
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pytest_dflash.policy import Policy
 
 PASSED, FAILED, PENDING = "passed", "failed", "pending"
 ACCEPT, REJECT = "accept", "reject"
@@ -92,3 +97,54 @@ def recompute(routes: dict[str, dict[str, Any]]) -> None:
             gate["status"] = gate_status(gate["tests"])
             gate["figure"] = gate_figure(gate["tests"])
         entry["verdict"], entry["reasons"] = route_verdict(entry["required"], entry["gates"])
+
+
+def timing_disagreement(test: Mapping[str, Any], policy: Policy) -> str | None:
+    """Why a timing test's recorded decision contradicts the policy or its outcome, else None.
+
+    Timing gates record ``rule``, ``threshold`` and the CI of the ratio (``pytest_dflash.timing``).
+    The threshold must be the one the recorded policy implies, and a passed test must have a CI
+    that passes it. A failed test may carry a passing record: a gate that times several widths
+    keeps only the last record and fails on another.
+    """
+    from pytest_dflash.statistics import RULES, _decide, threshold_for
+
+    measured = test.get("measurements") or {}
+    if "rule" not in measured:
+        return None
+    rule, threshold = measured.get("rule"), measured.get("threshold")
+    low, high = measured.get("ci_low"), measured.get("ci_high")
+    if rule not in RULES:
+        return f"unknown timing rule {rule!r} (known: {', '.join(RULES)})"
+    numbers = (threshold, low, high)
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
+        return "timing record lacks a numeric threshold, ci_low or ci_high"
+    expected = threshold_for(rule, policy)
+    if not math.isclose(threshold, expected, rel_tol=1e-12, abs_tol=1e-12):
+        return f"recorded threshold {threshold!r} is not the policy's {expected!r} for {rule}"
+    if test["outcome"] == PASSED and not _decide(rule, threshold, low, high)[0]:
+        return f"outcome passed, but its CI upper bound {high!r} fails the {rule} threshold"
+    return None
+
+
+def disagreements(routes: Mapping[str, Mapping[str, Any]], policy: Policy) -> list[str]:
+    """Every stored decision of a report's ``routes`` that its recorded tests do not support."""
+    fresh = copy.deepcopy(dict(routes))
+    recompute(fresh)
+    problems: list[str] = []
+    for name, entry in routes.items():
+        for kind, gate in entry["gates"].items():
+            for test in gate["tests"]:
+                why = timing_disagreement(test, policy)
+                if why:
+                    problems.append(f"route {name!r} gate {kind} test {test['nodeid']}: {why}")
+            computed = fresh[name]["gates"][kind]["status"]
+            if gate["status"] != computed:
+                problems.append(f"route {name!r}: gate {kind} is stored as {gate['status']!r}, "
+                                f"its recorded tests make it {computed!r}")
+        verdict, reasons = fresh[name]["verdict"], fresh[name]["reasons"]
+        if entry["verdict"] != verdict:
+            why = f" ({'; '.join(reasons)})" if reasons else ""
+            problems.append(f"route {name!r}: stored verdict {entry['verdict']!r}, but its "
+                            f"recorded tests and required gates give {verdict!r}{why}")
+    return problems
