@@ -1,31 +1,37 @@
-"""Sandboxed executor for generated code (DESIGN 6 quality, DESIGN 7 HumanEval).
+"""Sandboxed executor for generated code (docs/security.md has the full account).
 
 A completion produced by a model under test is hostile until proven otherwise: it may loop, eat
-memory, fork, delete or write files, open sockets, or read secrets from the environment. Scoring it
-must never disturb the test session, so every program runs in a fresh interpreter that is
-contained by *kernel* barriers wherever this machine offers them, and by in-process guards on top:
+memory, fork, fill the disk, read secrets, or try to reach the network. Scoring it must never
+disturb the test session or show it anything of the host, so every program runs in a fresh
+interpreter inside a *jail* built from kernel barriers, probed once per process strongest first:
 
-kernel barriers
-    - its own session and process group; the wall timeout SIGKILLs the whole group;
-    - resource limits set before the program runs: address space, CPU seconds, process count,
-      file size, no core dumps;
-    - a network namespace with only a downed loopback (``unshare --net``), when available;
-    - when the parent runs as root, the child runs as the unprivileged ``nobody`` user with no
-      capabilities and ``no_new_privs`` (``setpriv``), so files outside its directory are not
-      writable by the kernel's own permission checks, ``/proc/<parent>/environ`` is unreadable,
-      and RLIMIT_NPROC is enforced (the kernel ignores it for root). If the interpreter lives in a
-      directory ``nobody`` cannot traverse (``/root`` on many machines), the child keeps only
-      CAP_DAC_READ_SEARCH so it can import the standard library: read access, never write.
-in-process guards (installed by a small bootstrap before the program's first line)
-    - process spawning (``os.fork``/``system``/``exec*``/``spawn*``/``posix_spawn``,
-      ``subprocess``, ``pty``, ``multiprocessing``, ``ctypes``) raises PermissionError;
-    - ``socket.socket``/``create_connection``/... raise PermissionError;
-    - file writes and destructive ``os`` calls outside the temporary working directory raise
-      PermissionError; ``chdir`` is refused;
-    - a scrubbed environment (only PATH, LANG, HOME=workdir, PYTHONHASHSEED=0), umask 077.
+jail (bubblewrap, ``bwrap``: the only file-system barrier used)
+    - a new root holding only read-only binds of ``/usr`` and the ``/lib*``, ``/bin`` links, the
+      interpreter binary, its shared library and its standard library (``site-packages`` hidden),
+      ``/proc`` and a minimal ``/dev`` of its own, and a private size-capped ``/tmp`` holding the
+      working directory: ``/root``, ``/home``, ``/etc``, the project checkout and every other
+      process's files are not there at all;
+    - its own pid, network (no route anywhere, not even to the host's loopback), IPC, UTS and
+      cgroup namespaces; killed with its parent;
+    - as a real unprivileged user (uid 65534 via ``setpriv``, when the parent is root: no user
+      namespace, so the kernel's own permission checks and RLIMIT_NPROC apply), no capabilities,
+      ``no_new_privs``.
+kernel barriers inside (also without a jail)
+    - a seccomp filter (:mod:`pytest_dflash.seccomp`): no new process, no exec, no ptrace or
+      namespace calls, no io_uring/bpf/userfaultfd/keyring;
+    - resource limits: address space, CPU seconds, processes, file size, no core dumps;
+    - a wall timeout that kills the whole group.
+courtesy layer (Python-level, *not* a barrier: a program can undo it, e.g. by re-importing
+``posix``)
+    - spawning, sockets, writes outside the working directory, ``chdir`` raise PermissionError
+      early with a readable message; a scrubbed environment, umask 077.
 
-Which kernel barriers were in force is probed once and reported with every result
-(:attr:`SandboxResult.isolation`), so a gate's evidence says how its code was contained.
+Without bubblewrap there is no file-system barrier: the host's files would be readable. Then
+:func:`run_untrusted` refuses (:class:`SandboxUnavailable`) unless the caller opts in
+(``allow_unjailed=True``; pytest option ``--dflash-allow-unjailed``, environment
+``DFLASH_ALLOW_UNJAILED=1``), and the opt-in is named in every result's isolation line. The
+unjailed path keeps what util-linux offers: an empty network namespace, read-only host file
+systems except the working directory (mount namespace), the ``nobody`` user.
 
 The interpreter runs with ``-s -S -P -B`` (no user or system site-packages, no unsafe path entry,
 no bytecode writes): the programs get the standard library only. ``-I`` is not used because it
@@ -53,25 +59,40 @@ import time
 from pathlib import Path
 from typing import Literal
 
+from pytest_dflash import seccomp
+
 Status = Literal["passed", "failed", "timeout", "killed", "error"]
 
 #: exit status the bootstrap uses when the sandbox itself could not be set up
 SETUP_FAILED = 120
 #: exit status the bootstrap uses when the program raised SystemExit (even with code 0)
 PROGRAM_EXITED = 121
+#: environment variable that opts in to running generated code without a file-system jail
+ALLOW_UNJAILED_ENV = "DFLASH_ALLOW_UNJAILED"
 
 _UNPRIVILEGED_FALLBACK_UID = 65534
+#: the working directory inside the jail (on the private, size-capped /tmp)
+JAIL_WORKDIR = "/tmp/work"
 
-# The bootstrap runs inside the child before the program: limits, guards, then exec of the program.
-# It reads its configuration from argv[1] as JSON; only the two exit statuses are filled in here.
+
+class SandboxUnavailable(RuntimeError):
+    """No file-system jail can be built here and the caller did not opt in to running without."""
+
+
+# The bootstrap runs inside the child before the program: limits, seccomp, guards, then the
+# program. It reads its configuration from argv[1] as JSON; the exit statuses and the seccomp
+# installer are pasted in here.
 _BOOTSTRAP_TEMPLATE = r"""
 import sys
+@SECCOMP_INSTALL@
 _real_exit = __import__("os")._exit
 try:
     import builtins, io, json, os, posix, resource, socket, subprocess, _io
     cfg = json.loads(sys.argv[1])
     for name, value in cfg["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
+    if cfg["seccomp"]:
+        _install_seccomp(cfg["seccomp"])
     os.umask(0o077)
     os.chdir(cfg["workdir"])
     WORKDIR = os.path.realpath(cfg["workdir"])
@@ -187,8 +208,10 @@ except BaseException:
     _status = _status or 1
 _real_exit(_status)
 """
-_BOOTSTRAP = _BOOTSTRAP_TEMPLATE.replace("@SETUP_FAILED@", str(SETUP_FAILED)).replace(
-    "@PROGRAM_EXITED@", str(PROGRAM_EXITED)
+_BOOTSTRAP = (
+    _BOOTSTRAP_TEMPLATE.replace("@SETUP_FAILED@", str(SETUP_FAILED))
+    .replace("@PROGRAM_EXITED@", str(PROGRAM_EXITED))
+    .replace("@SECCOMP_INSTALL@", seccomp.INSTALL_SOURCE)
 )
 
 
@@ -199,6 +222,7 @@ class SandboxResult:
     ``status``: ``passed`` (exit 0), ``failed`` (non-zero exit: assertion, exception, SystemExit,
     refused operation), ``timeout`` (wall limit hit, group killed), ``killed`` (ended by a signal,
     e.g. SIGXCPU from the CPU limit), ``error`` (the sandbox itself could not start the program).
+    ``isolation`` names every barrier that held (``files: bubblewrap jail ...`` first).
     """
 
     passed: bool
@@ -210,8 +234,8 @@ class SandboxResult:
     isolation: tuple[str, ...] = ()
 
 
-# Runs as root inside the new mount namespace (unshare makes its propagation private, so nothing
-# here reaches the host): every file system read-only except the program's own directory.
+# Unjailed path only: runs as root inside the new mount namespace (unshare makes its propagation
+# private, so nothing here reaches the host): every file system read-only except the work dir.
 _MOUNT_SCRIPT = r"""
 set -e
 work="$1"; shift
@@ -226,23 +250,91 @@ exec "$@"
 """
 
 _TOOL_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+def _interpreter() -> Path:
+    """The base interpreter binary: a virtual environment adds nothing the programs may use."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    base = Path(sys.base_prefix) / "bin" / version
+    return base if base.is_file() else Path(os.path.realpath(sys.executable))
+
+
+def _interpreter_files() -> tuple[list[Path], list[Path]]:
+    """(paths to bind read-only, directories to hide) so the interpreter starts in the jail."""
+    stdlib = Path(os.path.realpath(os.path.dirname(os.__file__)))
+    binds = [Path(os.path.realpath(_interpreter())), stdlib]
+    dynload = sysconfig.get_config_var("DESTSHARED")
+    if dynload and Path(dynload).is_dir():
+        binds.append(Path(os.path.realpath(dynload)))
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+        if libdir and soname and (Path(libdir) / soname).exists():
+            binds.append(Path(os.path.realpath(Path(libdir) / soname)))
+    unique = [b for i, b in enumerate(binds)
+              if not any(b == o or o in b.parents for o in binds[:i])]
+    hidden = [d / "site-packages" for d in unique if (d / "site-packages").is_dir()]
+    return unique, hidden
 
 
 @dataclasses.dataclass(frozen=True)
 class _Launcher:
     """The command chain that wraps the interpreter, as probed on this machine."""
 
-    unshare: tuple[str, ...]  # e.g. ("/usr/bin/unshare", "--net", "--mount", "--")
-    mount_ns: bool
-    setpriv: tuple[str, ...]  # e.g. ("/usr/bin/setpriv", "--reuid=65534", ..., "--")
+    jail: bool  # a file-system jail (bubblewrap) holds
+    prefix: tuple[str, ...]  # bwrap with its fixed arguments, or the unshare chain
+    drop: tuple[str, ...]  # e.g. ("/usr/bin/setpriv", "--reuid=65534", ..., "--")
     uid: int | None  # the unprivileged user the child runs as; None when it keeps the parent's
-    isolation: tuple[str, ...]
+    mount_ns: bool = False  # unjailed path: read-only host file systems via a mount namespace
+    seccomp: str | None = None  # the filter (hex) the bootstrap installs
+    isolation: tuple[str, ...] = ()
 
-    def argv(self, workdir: Path) -> list[str]:
-        chain = list(self.unshare)
+    def argv(self, root: Path, disk_bytes: int) -> tuple[list[str], Path]:
+        """(command before the interpreter, working directory as the program sees it)."""
+        if self.jail:
+            jail = [*self.prefix, "--size", str(disk_bytes), "--perms", "1777", "--tmpfs", "/tmp",
+                    "--perms", "0777", "--dir", JAIL_WORKDIR,
+                    "--ro-bind", str(root / "main.py"), f"{JAIL_WORKDIR}/main.py",
+                    "--chdir", JAIL_WORKDIR, "--"]
+            return jail + list(self.drop), Path(JAIL_WORKDIR)
+        work = root / "work"
+        chain = list(self.prefix)
         if self.mount_ns:
-            chain += ["/bin/sh", "-c", _MOUNT_SCRIPT, "dflash-sandbox", str(workdir)]
-        return chain + list(self.setpriv)
+            chain += ["/bin/sh", "-c", _MOUNT_SCRIPT, "dflash-sandbox", str(work)]
+        return chain + list(self.drop), work
+
+
+def _bwrap_prefix(bwrap: str, as_root: bool) -> list[str]:
+    """bubblewrap's fixed arguments: namespaces and the read-only view of the interpreter."""
+    if as_root:
+        # No user namespace: the program becomes the real uid 65534 through setpriv (with
+        # --unshare-user bwrap would map its uid to host root, merely without capabilities).
+        chain = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+                 "--unshare-cgroup-try"]
+    else:
+        chain = [bwrap, "--unshare-all", "--cap-drop", "ALL"]
+    chain += ["--die-with-parent", "--new-session"]
+    for name in _SYSTEM_DIRS:
+        path = Path(name)
+        if path.is_symlink():
+            chain += ["--symlink", os.readlink(path), name]
+        elif path.is_dir():
+            chain += ["--ro-bind", name, name]
+    binds, hidden = _interpreter_files()
+    # Parents of the binds outside the system directories (e.g. /root/.pyenv/...) are created
+    # traversable and empty: bwrap would copy the host's mode (0700 for /root).
+    system = [Path(name) for name in _SYSTEM_DIRS]
+    parents = sorted({parent for path in binds for parent in path.parents
+                      if parent != Path("/") and not any(s == parent or s in parent.parents
+                                                         for s in system)},
+                     key=lambda p: len(p.parts))
+    for parent in parents:
+        chain += ["--perms", "0755", "--dir", str(parent)]
+    for path in binds:
+        chain += ["--ro-bind", str(path), str(path)]
+    for path in hidden:
+        chain += ["--tmpfs", str(path)]
+    return chain + ["--proc", "/proc", "--dev", "/dev"]
 
 
 def _others_can_reach(path: Path) -> bool:
@@ -262,106 +354,155 @@ def _unprivileged_uid() -> int:
         return _UNPRIVILEGED_FALLBACK_UID
 
 
-def _try(launcher: _Launcher, code: str) -> str | None:
-    """Run ``code`` through ``launcher`` in a scratch directory; None if it exited 0, else why."""
-    scratch = Path(tempfile.mkdtemp(prefix="dflash-sandbox-probe-"))
+def _setpriv_drop(setpriv: str, uid: int, keep_read: bool) -> tuple[str, ...]:
+    caps = "-all,+dac_read_search" if keep_read else "-all"
+    return (setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
+            f"--inh-caps={caps}", f"--bounding-set={caps}",
+            *(["--ambient-caps=+dac_read_search"] if keep_read else []), "--")
+
+
+# The probe program: every barrier is checked by trying to break it, not by trusting the tools.
+_PROBE = r"""
+import os, sys
+cfg = {cfg!r}
+open("probe", "w").close()
+assert sys.version == cfg["version"], "another interpreter ran: " + sys.version
+if cfg["jail"]:
+    for path in cfg["invisible"]:
+        assert not os.path.lexists(path), "visible in the jail: " + path
+if cfg["seccomp"]:
+    sys.modules.pop("posix", None)
+    import posix
     try:
-        scratch.chmod(0o755)
-        if launcher.uid is not None:
-            os.chown(scratch, launcher.uid, launcher.uid)
-        argv = [*launcher.argv(scratch), sys.executable, "-s", "-S", "-P", "-B", "-c", code]
-        proc = subprocess.run(
-            argv,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            timeout=30,
-            env={"PATH": _TOOL_PATH},
-            cwd=scratch,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        pid = posix.fork()
+    except PermissionError:
+        pass
+    else:
+        if pid == 0:
+            posix._exit(0)
+        raise AssertionError("fork was allowed under the seccomp filter")
+"""
+
+
+def _try(launcher: _Launcher, **checks: object) -> str | None:
+    """Run the probe through ``launcher`` with the real bootstrap; None if every check held."""
+    secret = Path(tempfile.mkdtemp(prefix="dflash-sandbox-canary-"))
+    try:
+        (secret / "canary").write_text("x")
+        invisible = [str(secret / "canary"), str(Path(__file__).resolve())]
+        program = _PROBE.format(cfg={**checks, "invisible": invisible, "version": sys.version})
+        result = _execute(launcher, program, timeout_s=30.0, memory_mb=512, cpu_s=30,
+                          max_procs=32, max_file_bytes=1 << 20, disk_bytes=4 << 20,
+                          tail_chars=600)
+    except OSError as exc:
         return f"{type(exc).__name__}: {exc}"
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    if proc.returncode != 0:
-        return f"exit {proc.returncode}: {proc.stderr.decode(errors='replace').strip()[-300:]}"
+        shutil.rmtree(secret, ignore_errors=True)
+    if result.status != "passed":
+        last = result.stderr_tail.strip().splitlines()[-1:] or [result.status]
+        return f"{result.status} (exit {result.returncode}): {last[0][-300:]}"
     return None
 
 
-@functools.lru_cache(maxsize=1)
-def _launcher() -> _Launcher:
-    """Probe once which kernel barriers this machine supports, strongest chain first.
+def _probe_jail(notes: list[str]) -> _Launcher | None:
+    bwrap = shutil.which("bwrap", path=_TOOL_PATH)
+    if bwrap is None:
+        notes.append("files: NO JAIL: bubblewrap (bwrap) not found; install the bubblewrap "
+                     "package (apt-get install bubblewrap)")
+        return None
+    as_root = os.geteuid() == 0
+    drop: tuple[str, ...] = ()
+    uid = None
+    if as_root:
+        setpriv = shutil.which("setpriv", path=_TOOL_PATH)
+        if setpriv is None or not setpriv.startswith("/usr/"):
+            notes.append("files: NO JAIL: util-linux setpriv not found under /usr; the jail "
+                         "would run the program as root")
+            return None
+        uid = _unprivileged_uid()
+        drop = _setpriv_drop(setpriv, uid, keep_read=False)
+    launcher = _Launcher(jail=True, prefix=tuple(_bwrap_prefix(bwrap, as_root)), drop=drop,
+                         uid=uid)
+    reason = _try(launcher, jail=True, seccomp=False)
+    if reason is not None:
+        notes.append(f"files: NO JAIL: bubblewrap failed here ({reason})")
+        return None
+    user = (f"uid {uid} (real, no user namespace) without capabilities, no_new_privs" if as_root
+            else "the parent's uid in a user namespace, no capabilities, no_new_privs")
+    notes += [
+        "files: bubblewrap jail: only the interpreter and its standard library (read-only), the "
+        "working directory and a private size-capped /tmp are visible",
+        "network: empty network namespace (bwrap), no route to the host",
+        "processes: own pid namespace, killed with the sandbox",
+        f"user: {user}",
+    ]
+    return launcher
 
-    Each barrier is added only if a real run through the chain built so far works, so a machine
-    without namespaces or privileges still scores programs (with the in-process guards), and the
-    notes say exactly what was missing.
-    """
-    probe = "import os, json, socket, subprocess; open('probe', 'w').close()"
-    launcher = _Launcher((), False, (), None, ())
-    notes: list[str] = []
 
+def _probe_unjailed(notes: list[str]) -> _Launcher:
+    """The util-linux chain: no file-system barrier, used only on explicit opt-in."""
+    launcher = _Launcher(jail=False, prefix=(), drop=(), uid=None)
     unshare = shutil.which("unshare", path=_TOOL_PATH)
     if unshare is None:
         notes.append("network: in-process socket guard only (util-linux unshare not found)")
-        notes.append("files: in-process guard only (no mount namespace: unshare not found)")
     else:
-        net = dataclasses.replace(launcher, unshare=(unshare, "--net", "--"))
-        reason = _try(net, probe)
+        net = dataclasses.replace(launcher, prefix=(unshare, "--net", "--"))
+        reason = _try(net, jail=False, seccomp=False)
         if reason is None:
             launcher = net
             notes.append("network: empty network namespace (unshare --net)")
         else:
             notes.append(f"network: in-process socket guard only (unshare --net failed: {reason})")
         mnt = dataclasses.replace(
-            launcher, unshare=(unshare, *launcher.unshare[1:-1], "--mount", "--"), mount_ns=True
+            launcher, prefix=(unshare, *launcher.prefix[1:-1], "--mount", "--"), mount_ns=True
         )
-        reason = _try(mnt, probe)
-        if reason is None:
+        if _try(mnt, jail=False, seccomp=False) is None:
             launcher = mnt
-            notes.append("files: read-only file systems except the working directory (mount ns)")
-        else:
-            notes.append(f"files: in-process guard only (mount namespace failed: {reason})")
-
+            notes.append("writes: host file systems read-only except the working directory "
+                         "(mount namespace); every world-readable host file stays readable")
     setpriv = shutil.which("setpriv", path=_TOOL_PATH)
     if os.geteuid() != 0:
-        notes.append("user: unchanged (parent is not root); RLIMIT_NPROC enforced by the kernel")
+        notes.append("user: unchanged (parent is not root)")
     elif setpriv is None:
-        notes.append(
-            "user: stays root (util-linux setpriv not found): RLIMIT_NPROC is not enforced for root"
-        )
+        notes.append("user: stays root (util-linux setpriv not found)")
     else:
         uid = _unprivileged_uid()
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        need_read = not (_others_can_reach(Path(sys.executable)) and _others_can_reach(stdlib))
-        caps = "-all,+dac_read_search" if need_read else "-all"
-        drop = [
-            setpriv,
-            f"--reuid={uid}",
-            f"--regid={uid}",
-            "--clear-groups",
-            "--no-new-privs",
-            f"--inh-caps={caps}",
-            f"--bounding-set={caps}",
-            *(["--ambient-caps=+dac_read_search"] if need_read else []),
-            "--",
-        ]
-        dropped = dataclasses.replace(launcher, setpriv=tuple(drop), uid=uid)
-        reason = _try(dropped, probe)
+        keep_read = not (_others_can_reach(_interpreter()) and _others_can_reach(stdlib))
+        dropped = dataclasses.replace(launcher, drop=_setpriv_drop(setpriv, uid, keep_read),
+                                      uid=uid)
+        reason = _try(dropped, jail=False, seccomp=False)
         if reason is None:
             launcher = dropped
-            notes.append(
-                f"user: uid {uid} without capabilities, no_new_privs"
-                + (
-                    " (keeps CAP_DAC_READ_SEARCH, read-only: the interpreter is not "
-                    "world-readable here)"
-                    if need_read
-                    else ""
-                )
-            )
+            notes.append(f"user: uid {uid}, no_new_privs"
+                         + (", keeps CAP_DAC_READ_SEARCH (the interpreter is not reachable "
+                            "otherwise): it can read every host file" if keep_read else ""))
         else:
-            notes.append(
-                f"user: stays root (setpriv failed: {reason}): "
-                "RLIMIT_NPROC is not enforced for root"
-            )
+            notes.append(f"user: stays root (setpriv failed: {reason})")
+    return launcher
+
+
+@functools.lru_cache(maxsize=1)
+def _launcher() -> _Launcher:
+    """Probe once which barriers this machine supports, strongest first; each one is kept only
+    if a real run through it shows that it holds."""
+    notes: list[str] = []
+    launcher = _probe_jail(notes)
+    if launcher is None:
+        launcher = dataclasses.replace(_probe_unjailed(notes), isolation=())
+    program = seccomp.filter_program()
+    if program is None:
+        notes.append("seccomp: none (no system-call table for this machine)")
+    else:
+        filtered = dataclasses.replace(launcher, seccomp=program.hex())
+        reason = _try(filtered, jail=launcher.jail, seccomp=True)
+        if reason is None:
+            launcher = filtered
+            notes.append("seccomp: no fork/exec/ptrace/namespaces/io_uring/bpf (filter)")
+        else:
+            notes.append(f"seccomp: none (the filter could not be installed: {reason})")
+    notes.append("limits: address space, CPU, processes, file size, no core dumps (rlimits)")
+    notes.append("python guards: courtesy layer only, not a barrier")
     return dataclasses.replace(launcher, isolation=tuple(notes))
 
 
@@ -369,9 +510,15 @@ _launcher_lock = threading.Lock()
 
 
 def isolation() -> tuple[str, ...]:
-    """Which kernel barriers contain sandboxed programs on this machine (probed once)."""
+    """Which barriers contain sandboxed programs on this machine (probed once)."""
     with _launcher_lock:
         return _launcher().isolation
+
+
+def jailed() -> bool:
+    """True if a file-system jail holds here (otherwise only an explicit opt-in runs code)."""
+    with _launcher_lock:
+        return _launcher().jail
 
 
 def _tail(path: Path, chars: int) -> str:
@@ -382,9 +529,8 @@ def _tail(path: Path, chars: int) -> str:
         return fh.read().decode("utf-8", errors="replace")[-chars:]
 
 
-def _check_limits(
-    timeout_s: float, memory_mb: int, cpu_s: int | None, max_procs: int, max_file_bytes: int
-) -> None:
+def _check_limits(timeout_s: float, memory_mb: int, cpu_s: int | None, max_procs: int,
+                  max_file_bytes: int, disk_bytes: int) -> None:
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if not isinstance(memory_mb, int) or memory_mb < 32:
@@ -401,6 +547,14 @@ def _check_limits(
             f"max_file_bytes must be an integer >= 4096 (it also caps the program's captured "
             f"output), got {max_file_bytes!r}"
         )
+    if not isinstance(disk_bytes, int) or disk_bytes < 65536:
+        raise ValueError(f"disk_bytes must be an integer >= 65536, got {disk_bytes!r}")
+
+
+def _unjailed_allowed(allow_unjailed: bool | None) -> bool:
+    if allow_unjailed is None:
+        return os.environ.get(ALLOW_UNJAILED_ENV, "") == "1"
+    return bool(allow_unjailed)
 
 
 def run_untrusted(
@@ -411,14 +565,19 @@ def run_untrusted(
     cpu_s: int | None = None,
     max_procs: int = 32,
     max_file_bytes: int = 16 << 20,
+    disk_bytes: int = 64 << 20,
     tail_chars: int = 4000,
+    allow_unjailed: bool | None = None,
 ) -> SandboxResult:
     """Run ``program`` (Python source: a completion plus its tests) contained; never raises for
     anything the program does.
 
     ``cpu_s`` defaults to the wall timeout rounded up. ``max_procs`` caps processes *and threads*
     of the sandbox user (the kernel counts both). ``max_file_bytes`` caps every file the program
-    writes, including its captured stdout/stderr. Safe to call from several threads at once.
+    writes, including its captured stdout/stderr; ``disk_bytes`` caps its working directory and
+    ``/tmp`` together (jail only). Without a jail, raises :class:`SandboxUnavailable` unless
+    ``allow_unjailed`` (default: ``$DFLASH_ALLOW_UNJAILED == "1"``). Safe to call from several
+    threads at once.
     """
     if not isinstance(program, str):
         raise TypeError(f"program must be Python source text (str), got {type(program).__name__}")
@@ -429,9 +588,29 @@ def run_untrusted(
             f"program is not encodable as UTF-8 ({exc.reason} at index {exc.start}); decode model "
             "output with errors='replace' before scoring it"
         ) from None
-    _check_limits(timeout_s, memory_mb, cpu_s, max_procs, max_file_bytes)
+    _check_limits(timeout_s, memory_mb, cpu_s, max_procs, max_file_bytes, disk_bytes)
     with _launcher_lock:
         launcher = _launcher()
+    if not launcher.jail:
+        if not _unjailed_allowed(allow_unjailed):
+            raise SandboxUnavailable(
+                "refusing to run generated code: no file-system jail can be built here, so the "
+                f"program could read the host's files ({launcher.isolation[0]}). Install "
+                "bubblewrap, or opt in explicitly with --dflash-allow-unjailed (environment "
+                f"{ALLOW_UNJAILED_ENV}=1); the choice is recorded in the report"
+            )
+        launcher = dataclasses.replace(launcher, isolation=(
+            "files: UNJAILED by explicit opt-in (allow_unjailed): host files are readable",
+            *launcher.isolation))
+    return _execute(launcher, program, timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s,
+                    max_procs=max_procs, max_file_bytes=max_file_bytes, disk_bytes=disk_bytes,
+                    tail_chars=tail_chars)
+
+
+def _execute(launcher: _Launcher, program: str, *, timeout_s: float, memory_mb: int,
+             cpu_s: int | None, max_procs: int, max_file_bytes: int, disk_bytes: int,
+             tail_chars: int) -> SandboxResult:
+    """Run one program through ``launcher``; the files it leaves on the host are removed."""
     cpu = cpu_s if cpu_s is not None else max(1, math.ceil(timeout_s))
     limits = {
         "RLIMIT_AS": memory_mb << 20,
@@ -440,37 +619,28 @@ def run_untrusted(
         "RLIMIT_FSIZE": max_file_bytes,
         "RLIMIT_CORE": 0,
     }
-
     root = Path(tempfile.mkdtemp(prefix="dflash-sandbox-"))
     try:
-        # root: parent-only (0711: the child may traverse it, not list or open its files);
-        # work: the child's own directory, owned by the sandbox user.
+        # root: parent-only (0711: an unjailed child may traverse it, not list or open its
+        # files); main.py is bound read-only into the jail; work: the unjailed child's directory.
         root.chmod(0o711)
-        work = root / "work"
-        work.mkdir(mode=0o700)
-        program_path = work / "main.py"
-        program_path.write_text(program, encoding="utf-8")
-        if launcher.uid is not None:
-            os.chown(work, launcher.uid, launcher.uid)
-            os.chown(program_path, launcher.uid, launcher.uid)
-        config = json.dumps({"workdir": str(work), "program": str(program_path), "limits": limits})
-        argv = [
-            *launcher.argv(work),
-            sys.executable,
-            "-s",
-            "-S",
-            "-P",
-            "-B",
-            "-c",
-            _BOOTSTRAP,
-            config,
-        ]
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "LANG": "C.UTF-8",
-            "HOME": str(work),
-            "PYTHONHASHSEED": "0",
-        }
+        (root / "main.py").write_text(program, encoding="utf-8")
+        (root / "main.py").chmod(0o644)
+        chain, workdir = launcher.argv(root, disk_bytes)
+        program_path = workdir / "main.py"
+        if not launcher.jail:
+            work = root / "work"
+            work.mkdir(mode=0o700)
+            shutil.copy(root / "main.py", work / "main.py")
+            if launcher.uid is not None:
+                os.chown(work, launcher.uid, launcher.uid)
+                os.chown(work / "main.py", launcher.uid, launcher.uid)
+        config = json.dumps({"workdir": str(workdir), "program": str(program_path),
+                             "limits": limits, "seccomp": launcher.seccomp})
+        interpreter = str(_interpreter()) if launcher.jail else sys.executable
+        argv = [*chain, interpreter, "-s", "-S", "-P", "-B", "-c", _BOOTSTRAP, config]
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(workdir),
+               "PYTHONHASHSEED": "0"}
         out_path, err_path = root / "stdout", root / "stderr"
         start = time.perf_counter()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
@@ -480,7 +650,7 @@ def run_untrusted(
                 stdout=out,
                 stderr=err,
                 env=env,
-                cwd=work,
+                cwd=root,
                 start_new_session=True,
                 close_fds=True,
             )
@@ -489,7 +659,8 @@ def run_untrusted(
                 returncode: int | None = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-            # Kill the whole group in every case: nothing the program started may outlive it.
+            # Kill the whole group in every case: nothing the program started may outlive it
+            # (in the jail, bwrap's death also ends its pid namespace).
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
