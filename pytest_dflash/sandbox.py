@@ -668,6 +668,8 @@ def _execute(launcher: _Launcher, program: str, *, timeout_s: float, memory_mb: 
             if timed_out:
                 proc.wait()
                 returncode = None
+            elif launcher.jail and returncode is not None and returncode > 128:
+                returncode = 128 - returncode  # bwrap reports death by signal N as 128 + N
         wall = time.perf_counter() - start
         stdout_tail, stderr_tail = _tail(out_path, tail_chars), _tail(err_path, tail_chars)
     finally:

@@ -1,31 +1,86 @@
 """Hostile completions against the sandboxed executor: each is contained, scored as a failure,
-and the run goes on. Every check looks at the real outside world (files, sockets, processes),
-not at what the sandbox claims."""
+and the run goes on. Every check looks at the real outside world (a canary directory with a
+root-only secret, the parent's environment, a victim process, the host's /proc), not at what the
+sandbox claims. The in-process guards are bypassed on purpose (``posix`` re-import, raw
+``ctypes``): only the kernel barriers may be what holds.
+
+Without bubblewrap the jail tests skip with the reason, except where ``DFLASH_REQUIRE_JAIL=1``
+(CI sets it): there a missing jail is a failure.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
+import subprocess
+import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from pytest_dflash.sandbox import isolation, run_untrusted
+from pytest_dflash import sandbox, seccomp
+from pytest_dflash.sandbox import SandboxUnavailable, isolation, jailed, run_untrusted
 
-LIMITS = {"timeout_s": 2.0, "memory_mb": 256}
+LIMITS = {"timeout_s": 5.0, "memory_mb": 256}
 
 
 def run(program: str, **overrides):
     return run_untrusted(textwrap.dedent(program), **{**LIMITS, **overrides})
 
 
-def kernel_barrier(prefix: str) -> bool:
-    """True if the probed isolation notes say a kernel barrier of this kind is in force."""
-    return any(
-        note.startswith(prefix) and "in-process" not in note and "stays root" not in note
-        for note in isolation()
-    )
+@pytest.fixture
+def jail() -> None:
+    if not jailed():
+        message = f"no file-system jail on this machine: {isolation()[0]}"
+        if os.environ.get("DFLASH_REQUIRE_JAIL") == "1":
+            pytest.fail(f"DFLASH_REQUIRE_JAIL=1 but {message}")
+        pytest.skip(message)
+
+
+@pytest.fixture
+def host_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The sandbox's host-side scratch goes here, so a test can see that nothing is left."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    return scratch
+
+
+class Canary:
+    """A root-only secret (mode 600 in a mode 700 directory) that also sits in the parent's
+    environment; ``untouched`` checks that nothing read, changed or added anything."""
+
+    def __init__(self, base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.secret = "dflash-canary-" + os.urandom(12).hex()
+        self.dir = base / "secret"
+        self.dir.mkdir(mode=0o700)
+        self.file = self.dir / "canary.txt"
+        self.file.write_text(self.secret)
+        self.file.chmod(0o600)
+        monkeypatch.setenv("DFLASH_CANARY_SECRET", self.secret)
+        self._before = self._state()
+
+    def _state(self) -> list[tuple[str, int, int, int]]:
+        return [(p.name, p.stat().st_mode, p.stat().st_size, p.stat().st_mtime_ns)
+                for p in sorted(self.dir.iterdir())] + [(".", self.dir.stat().st_mode, 0,
+                                                          self.dir.stat().st_mtime_ns)]
+
+    def untouched(self, result: sandbox.SandboxResult) -> None:
+        seen = result.stdout_tail + result.stderr_tail
+        assert self.secret not in seen, seen
+        assert self.file.read_text() == self.secret
+        assert self._state() == self._before
+
+
+@pytest.fixture
+def canary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, jail: None) -> Canary:
+    return Canary(tmp_path, monkeypatch)
+
+
+# ------------------------------------------------------------------------ ordinary programs
 
 
 def test_correct_program_passes():
@@ -33,6 +88,26 @@ def test_correct_program_passes():
     assert result.status == "passed", result.stderr_tail
     assert result.passed and result.returncode == 0
     assert result.stdout_tail.strip() == "ok"
+
+
+def test_threads_and_the_workdir_work_in_the_jail(jail):
+    program = """
+        import os, pathlib, tempfile, threading
+        results = []
+        threads = [threading.Thread(target=results.append, args=(i,)) for i in range(4)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        assert sorted(results) == [0, 1, 2, 3]
+        pathlib.Path("data.txt").write_text("hello")
+        os.mkdir("sub")
+        os.rename("data.txt", "sub/data.txt")
+        with tempfile.TemporaryDirectory() as scratch:
+            pathlib.Path(scratch, "x").write_text("y")
+        assert pathlib.Path("sub/data.txt").read_text() == "hello"
+        import hashlib, json, decimal, re, collections, itertools, math
+    """
+    result = run(program)
+    assert result.passed, result.stderr_tail
 
 
 def test_failing_assert_fails():
@@ -51,18 +126,6 @@ def test_exit_zero_before_tests_is_not_a_pass():
     result = run("import sys\nsys.exit(0)\nassert False\n")
     assert result.status == "failed", result.stderr_tail
     assert "SystemExit(0)" in result.stderr_tail
-
-
-def test_infinite_loop_times_out_and_workdir_is_removed():
-    result = run(
-        "import os\nprint(os.getcwd(), flush=True)\nwhile True:\n    pass\n", timeout_s=1.0
-    )
-    assert result.status == "timeout" and not result.passed
-    workdir = Path(result.stdout_tail.strip())
-    assert workdir.name == "work", result.stdout_tail
-    assert not workdir.exists()
-    assert not workdir.parent.exists()
-    assert run("print('next')").passed  # the run goes on
 
 
 def test_cpu_limit_kills_busy_loop():
@@ -86,33 +149,190 @@ def test_memory_bomb_is_contained(program):
     assert run("print('next')").passed
 
 
-def _processes_with(marker: str) -> list[int]:
+# ------------------------------------------------------------------------ the jail itself
+
+
+def test_isolation_names_the_jail_first(jail):
+    notes = isolation()
+    assert notes[0].startswith("files: bubblewrap jail: only the interpreter"), notes
+    kinds = [note.split(":")[0] for note in notes]
+    assert kinds == ["files", "network", "processes", "user", "seccomp", "limits",
+                     "python guards"]
+    assert notes[-1] == "python guards: courtesy layer only, not a barrier"
+    assert run("pass").isolation == notes
+
+
+def test_the_jail_shows_only_the_interpreter(jail):
+    """What exists in the jail's root: system directories, the interpreter's files, /tmp."""
+    program = """
+        import os, sys
+        print(sorted(os.listdir("/")))
+        print(sorted(os.listdir(os.path.dirname(os.__file__) + "/site-packages")))
+        print(os.getuid(), os.getgid(), os.getgroups())
+        status = open("/proc/self/status").read()
+        print(re.search(r"CapEff:\\s*(\\w+)", status).group(1),
+              re.search(r"NoNewPrivs:\\s*(\\d)", status).group(1),
+              re.search(r"Seccomp:\\s*(\\d)", status).group(1))
+    """.replace("import os, sys", "import os, re, sys")
+    result = run(program)
+    assert result.passed, result.stderr_tail
+    top, site, ids, caps = result.stdout_tail.strip().splitlines()
+    allowed = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "proc", "dev", "tmp"}
+    interpreter_top = Path(os.path.realpath(sandbox._interpreter())).parts[1]
+    assert set(eval(top)) <= allowed | {interpreter_top}, top  # noqa: S307 - our own repr
+    assert eval(site) == []  # noqa: S307
+    if os.geteuid() == 0:
+        assert ids == "65534 65534 []"
+    assert caps.split() == ["0000000000000000", "1", "2"]
+
+
+# ------------------------------------------------------------------------ hostile matrix
+
+
+def test_reading_a_root_only_file(canary):
+    result = run(f"""
+        for attempt in (lambda: open({str(canary.file)!r}).read(),
+                        lambda: __import__("os").listdir({str(canary.dir)!r})):
+            try:
+                print("GOT", attempt())
+            except OSError as exc:
+                print(type(exc).__name__, exc.errno)
+    """)
+    canary.untouched(result)
+    assert "GOT" not in result.stdout_tail
+    assert result.stdout_tail.split() == ["FileNotFoundError", "2", "FileNotFoundError", "2"]
+
+
+def test_listing_root_and_home(canary):
+    result = run("""
+        import os
+        for path in ("/root", "/home", "/etc", "/work", "/proc/1/root"):
+            try:
+                print(path, sorted(os.listdir(path)))
+            except OSError as exc:
+                print(path, type(exc).__name__)
+    """)
+    canary.untouched(result)
+    assert result.passed, result.stderr_tail
+    host_root = set(os.listdir("/root")) if os.access("/root", os.R_OK) else set()
+    interpreter = Path(os.path.realpath(sandbox._interpreter()))
+    bound = {interpreter.parts[2]} if interpreter.parts[1] == "root" else set()
+    for name in host_root - bound:  # .cache, .gitconfig, .npmrc, .m2 ...
+        assert repr(name) not in result.stdout_tail, name
+    lines = dict(line.split(" ", 1) for line in result.stdout_tail.strip().splitlines())
+    assert lines["/home"] == "FileNotFoundError"
+    assert lines["/etc"] == "FileNotFoundError"
+
+
+def test_reading_proc_environ_of_init_and_the_parent(canary):
+    result = run(f"""
+        import os
+        for pid in (1, os.getppid(), {os.getpid()}):
+            try:
+                print(pid, open(f"/proc/{{pid}}/environ", "rb").read())
+            except OSError as exc:
+                print(pid, type(exc).__name__)
+        print(dict(os.environ))
+    """)
+    canary.untouched(result)
+    assert "DFLASH_CANARY_SECRET" not in result.stdout_tail
+    assert "'PYTHONHASHSEED': '0'" in result.stdout_tail
+
+
+def test_posix_reimport_bypass_runs_no_shell(canary, tmp_path):
+    outside = tmp_path / "pwned"
+    result = run(f"""
+        import sys
+        sys.modules.pop("posix")
+        import posix
+        print("system", posix.system("cat {canary.file}; touch {outside}"))
+        for name, attempt in (("fork", posix.fork),
+                              ("execv", lambda: posix.execv("/bin/sh", ["sh", "-c", "id"]))):
+            try:
+                attempt()
+                print(name, "RAN")
+            except OSError as exc:
+                print(name, type(exc).__name__)
+    """)
+    canary.untouched(result)
+    assert not outside.exists()
+    assert "RAN" not in result.stdout_tail
+    assert "fork PermissionError" in result.stdout_tail, result.stderr_tail
+    assert "execv PermissionError" in result.stdout_tail
+    assert "system 0" not in result.stdout_tail
+
+
+def test_ctypes_system_runs_no_shell(canary, tmp_path):
+    outside = tmp_path / "pwned"
+    result = run(f"""
+        import sys
+        for name in ("ctypes", "_ctypes"):
+            sys.modules.pop(name, None)
+        import ctypes
+        libc = ctypes.CDLL(None)
+        print("system", libc.system(b"cat {canary.file}; touch {outside}"))
+        print("fork", libc.fork())
+    """)
+    canary.untouched(result)
+    assert not outside.exists()
+    assert "fork -1" in result.stdout_tail, result.stderr_tail
+    assert "system 0" not in result.stdout_tail
+
+
+def test_signalling_the_parent_and_a_victim(canary):
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        result = run(f"""
+            import sys, signal
+            sys.modules.pop("posix")
+            import posix
+            for pid in (posix.getppid(), {os.getpid()}, {victim.pid}, -1):
+                try:
+                    posix.kill(pid, signal.SIGKILL)
+                    print(pid, "sent")
+                except OSError as exc:
+                    print(pid, type(exc).__name__)
+        """)
+        canary.untouched(result)
+        assert victim.poll() is None, "the victim process was killed"
+        assert f"{victim.pid} sent" not in result.stdout_tail
+        assert f"{os.getpid()} sent" not in result.stdout_tail
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def _namespace_processes(inode: str) -> list[int]:
+    """Host pids whose pid namespace is ``inode`` (``pid:[...]``)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                cmdline = (entry / "cmdline").read_bytes()
+                if os.readlink(entry / "ns" / "pid") == inode:
+                    found.append(int(entry.name))
             except OSError:
                 continue
-            if marker.encode() in cmdline:
-                found.append(int(entry.name))
     return found
 
 
-def test_fork_bomb_is_contained():
+def _wait_until_gone(inode: str, patience_s: float = 10.0) -> list[int]:
+    """The kernel tears a pid namespace down asynchronously after its init died."""
+    deadline = time.monotonic() + patience_s
+    while (left := _namespace_processes(inode)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def test_fork_bomb_is_contained(canary):
     program = """
-        import os
-        print(os.getcwd(), flush=True)
+        import os, sys
+        print(os.readlink("/proc/self/ns/pid"), flush=True)
         refused = []
         attempts = {
             "fork": lambda: os.fork(),
-            "forkpty": lambda: os.forkpty(),
             "posix_spawn": lambda: os.posix_spawn("/bin/true", ["true"], {}),
-            "spawnv": lambda: os.spawnv(os.P_NOWAIT, "/bin/true", ["true"]),
-            "execv": lambda: os.execv("/bin/true", ["true"]),
             "subprocess": lambda: __import__("subprocess").Popen(["/bin/true"]),
             "multiprocessing": lambda: __import__("multiprocessing").Process(target=print).start(),
-            "pty": lambda: __import__("pty").fork(),
             "ctypes": lambda: __import__("ctypes").CDLL(None).fork(),
         }
         for name, attempt in attempts.items():
@@ -121,114 +341,114 @@ def test_fork_bomb_is_contained():
             except (PermissionError, ImportError):
                 refused.append(name)
         print(",".join(refused), flush=True)
+        sys.modules.pop("posix")
+        import posix
         while True:
-            os.fork()
+            posix.fork()
     """
     result = run(program)
+    canary.untouched(result)
     assert result.status == "failed" and not result.passed, result.stderr_tail
-    workdir, refused = result.stdout_tail.split()
-    assert refused.split(",") == [
-        "fork",
-        "forkpty",
-        "posix_spawn",
-        "spawnv",
-        "execv",
-        "subprocess",
-        "multiprocessing",
-        "pty",
-        "ctypes",
-    ]
-    assert _processes_with(workdir) == []  # nothing it started outlives it
+    inode, refused = result.stdout_tail.split()
+    assert refused.split(",") == ["fork", "posix_spawn", "subprocess", "multiprocessing",
+                                  "ctypes"]
+    assert "PermissionError" in result.stderr_tail  # the kernel refused the bypassed fork
+    assert _wait_until_gone(inode) == []
 
 
-def test_deleting_a_file_outside_is_refused(tmp_path):
-    sentinel = tmp_path / "sentinel.txt"
-    sentinel.write_text("keep me\n")
-    before = sentinel.stat()
-    program = f"""
-        import os, pathlib, shutil
-        target = {str(sentinel)!r}
-        for attempt in (
-            lambda: os.remove(target),
-            lambda: os.unlink(target),
-            lambda: pathlib.Path(target).unlink(),
-            lambda: os.rename(target, "stolen.txt"),
-            lambda: os.truncate(target, 0),
-            lambda: os.chmod(target, 0o777),
-            lambda: shutil.rmtree(os.path.dirname(target)),
-            lambda: open(target, "w").write("overwritten"),
-        ):
+def test_sleeping_past_the_timeout_with_the_output_held_open(canary, host_tmp):
+    result = run("""
+        import os, sys, threading, time
+        print(os.readlink("/proc/self/ns/pid"), flush=True)
+        threading.Thread(target=time.sleep, args=(3600,)).start()
+        sys.stdout.write("holding stdout\\n"); sys.stdout.flush()
+        time.sleep(3600)
+    """, timeout_s=1.0)
+    canary.untouched(result)
+    assert result.status == "timeout" and not result.passed
+    assert "wall timeout 1.0 s, killed" in result.stderr_tail
+    inode = result.stdout_tail.split()[0]
+    assert inode.startswith("pid:[")
+    assert _wait_until_gone(inode) == []
+    assert list(host_tmp.iterdir()) == []  # the host-side scratch is removed
+    assert run("print('next')").passed
+
+
+def test_disk_fill_stops_at_the_cap(canary, host_tmp):
+    disk = 1 << 20
+    result = run("""
+        import os
+        written = 0
+        try:
+            for target in ("fill", "/tmp/fill"):
+                for i in range(10 ** 6):
+                    with open(f"{target}-{i}", "wb") as out:
+                        out.write(b"x" * 65536)
+                    written += 65536
+        finally:
+            print(written, flush=True)
+    """, disk_bytes=disk)
+    canary.untouched(result)
+    assert result.status == "failed", result.stderr_tail
+    assert "No space left on device" in result.stderr_tail
+    assert int(result.stdout_tail.split()[0]) <= disk
+    assert list(host_tmp.iterdir()) == []
+
+
+def test_a_gigabyte_of_output_is_cut_at_the_file_limit(canary, host_tmp):
+    result = run("""
+        import sys
+        block = "y" * (1 << 20)
+        for _ in range(1024):
+            sys.stdout.write(block)
+        sys.stdout.flush()
+    """, max_file_bytes=1 << 20, tail_chars=2000)
+    canary.untouched(result)
+    assert not result.passed and result.status in ("killed", "failed"), result.stderr_tail
+    assert len(result.stdout_tail) <= 2000
+    assert list(host_tmp.iterdir()) == []
+
+
+def test_symlink_from_the_workdir_to_outside(canary):
+    result = run(f"""
+        import sys
+        sys.modules.pop("posix")
+        import posix
+        for name, target in (("secret", {str(canary.file)!r}), ("root", "/root/.gitconfig"),
+                             ("dir", {str(canary.dir)!r})):
+            posix.symlink(target, name)
             try:
-                attempt()
+                print(name, open(name).read())
+            except OSError as exc:
+                print(name, type(exc).__name__)
+    """)
+    canary.untouched(result)
+    assert result.stdout_tail.split() == ["secret", "FileNotFoundError", "root",
+                                          "FileNotFoundError", "dir", "FileNotFoundError"]
+
+
+def test_writing_outside_is_refused_by_the_kernel(canary, tmp_path):
+    program = f"""
+        import io, os, sys
+        raw_fileio = io.FileIO.__mro__[1]  # sidesteps the in-process guard
+        sys.modules.pop("posix")
+        import posix
+        for path in ({str(tmp_path / "a.txt")!r}, {str(canary.dir / "b.txt")!r},
+                     "/usr/dflash-escape", "/proc/sys/kernel/hostname"):
+            try:
+                raw_fileio(path, "w").write(b"escaped")
+                print("WROTE", path)
             except OSError as exc:
                 print(type(exc).__name__)
-        assert not os.path.exists(target), "the attack failed"
     """
     result = run(program)
-    assert not result.passed
-    assert sentinel.read_text() == "keep me\n"
-    after = sentinel.stat()
-    assert (after.st_mode, after.st_size, after.st_mtime_ns) == (
-        before.st_mode,
-        before.st_size,
-        before.st_mtime_ns,
-    )
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sentinel.txt"]
+    canary.untouched(result)
+    assert "WROTE" not in result.stdout_tail
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["secret"]
+    assert not Path("/usr/dflash-escape").exists()
 
 
-def test_writing_a_file_outside_is_refused(tmp_path):
-    program = f"""
-        import os, pathlib
-        base = {str(tmp_path)!r}
-        wrote = []
-        for name, attempt in {{
-            "open": lambda: open(os.path.join(base, "a.txt"), "w").write("x"),
-            "pathlib": lambda: pathlib.Path(base, "b.txt").write_text("x"),
-            "os.open": lambda: os.open(os.path.join(base, "c.txt"), os.O_CREAT | os.O_WRONLY),
-            "mkdir": lambda: os.mkdir(os.path.join(base, "d")),
-            "symlink": lambda: os.symlink("/etc/passwd", os.path.join(base, "e")),
-            "tmp": lambda: open("/tmp/dflash-sandbox-escape.txt", "w").write("x"),
-        }}.items():
-            try:
-                attempt()
-                wrote.append(name)
-            except OSError:
-                pass
-        assert len(wrote) == 6, f"the attack failed: only {{wrote}} wrote"
-    """
-    result = run(program)
-    assert not result.passed
-    assert list(tmp_path.iterdir()) == []
-    assert not Path("/tmp/dflash-sandbox-escape.txt").exists()
-
-
-def test_writing_inside_the_workdir_is_allowed():
-    program = """
-        import os, pathlib, tempfile
-        pathlib.Path("data.txt").write_text("hello")
-        os.mkdir("sub")
-        os.rename("data.txt", "sub/data.txt")
-        with tempfile.TemporaryDirectory() as scratch:
-            pathlib.Path(scratch, "x").write_text("y")
-        assert pathlib.Path("sub/data.txt").read_text() == "hello"
-    """
-    result = run(program)
-    assert result.passed, result.stderr_tail
-
-
-def test_bypassing_the_file_guard_is_stopped_by_the_kernel(tmp_path):
-    if not kernel_barrier("files:") and not kernel_barrier("user:"):
-        pytest.skip(f"no kernel file barrier on this machine: {isolation()}")
-    # The un-guarded FileIO base class sidesteps the in-process guard: only the kernel remains.
-    program = f"""
-        import io
-        raw_fileio = io.FileIO.__mro__[1]
-        raw_fileio({str(tmp_path / "bypass.txt")!r}, "w").write(b"escaped")
-    """
-    result = run(program)
-    assert result.status == "failed"
-    assert "PermissionError" in result.stderr_tail or "Read-only file system" in result.stderr_tail
-    assert list(tmp_path.iterdir()) == []
+# ------------------------------------------------------------------------ network
 
 
 @pytest.fixture
@@ -270,18 +490,17 @@ def test_connecting_to_a_local_listener_is_refused(listener):
     _assert_accepted_nothing(listener)
 
 
-def test_bypassing_the_socket_guard_is_stopped_by_the_kernel(listener):
-    if not kernel_barrier("network:"):
-        pytest.skip(f"no network namespace on this machine: {isolation()}")
+def test_bypassing_the_socket_guard_is_stopped_by_the_kernel(listener, jail):
     port = listener.getsockname()[1]
     # Load the raw _socket extension from its file, past the in-process guard.
     program = f"""
-        import glob, importlib.util, sys
-        path = glob.glob(sys.base_prefix + "/lib/python3*/lib-dynload/_socket*.so")[0]
+        import glob, importlib.util, os
+        path = glob.glob(os.path.dirname(os.__file__) + "/lib-dynload/_socket*.so")[0]
         spec = importlib.util.spec_from_file_location("_socket", path)
         raw = importlib.util.module_from_spec(spec)
         sock = raw.socket(2, 1)
         print("raw socket made", flush=True)
+        sock.settimeout(2)
         sock.connect(("127.0.0.1", {port}))
         print("CONNECTED")
     """
@@ -289,40 +508,67 @@ def test_bypassing_the_socket_guard_is_stopped_by_the_kernel(listener):
     assert not result.passed
     assert "raw socket made" in result.stdout_tail, result.stderr_tail
     assert "CONNECTED" not in result.stdout_tail
-    assert "Network is unreachable" in result.stderr_tail, result.stderr_tail
+    assert re.search("Network is unreachable|Connection refused", result.stderr_tail)
     _assert_accepted_nothing(listener)
 
 
-def test_os_system_touch_is_refused(tmp_path):
-    target = tmp_path / "touched"
-    result = run(f"import os\nos.system('touch {target}')\n")
-    assert result.status == "failed"
-    assert "PermissionError" in result.stderr_tail
-    assert not target.exists()
+# ------------------------------------------------------------------------ no jail, no code
 
 
-def test_parent_environment_is_not_visible(monkeypatch):
-    secret = "dflash-secret-" + os.urandom(8).hex()
-    monkeypatch.setenv("DFLASH_TEST_SECRET", secret)
-    program = """
-        import os
-        print(dict(os.environ))
-        for pid in (os.getppid(), 1):
-            try:
-                print(open(f"/proc/{pid}/environ", "rb").read())
-            except OSError as exc:
-                print(type(exc).__name__)
-        assert "DFLASH_TEST_SECRET" in os.environ
-    """
-    result = run(program)
-    assert not result.passed
-    assert secret not in result.stdout_tail + result.stderr_tail
-    assert "'PYTHONHASHSEED': '0'" in result.stdout_tail
+@pytest.fixture
+def no_bwrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """This machine as it would be without bubblewrap: a tool path with util-linux only."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for name in ("unshare", "setpriv", "sh", "mount", "mountpoint"):
+        for folder in ("/usr/bin", "/bin", "/usr/sbin", "/sbin"):
+            if Path(folder, name).exists():
+                (tools / name).symlink_to(Path(folder, name))
+                break
+    monkeypatch.setattr(sandbox, "_TOOL_PATH", str(tools))
+    monkeypatch.delenv(sandbox.ALLOW_UNJAILED_ENV, raising=False)
+    sandbox._launcher.cache_clear()
+    yield
+    sandbox._launcher.cache_clear()
 
 
-def test_isolation_reports_every_barrier():
-    notes = isolation()
-    assert [note.split(":")[0] for note in notes] == ["network", "files", "user"]
+def test_without_a_jail_generated_code_is_refused_unless_opted_in(no_bwrap):
+    assert not jailed()
+    assert isolation()[0].startswith("files: NO JAIL: bubblewrap (bwrap) not found")
+    with pytest.raises(SandboxUnavailable, match="refusing to run generated code.*install "
+                       "bubblewrap.*--dflash-allow-unjailed"):
+        run("print('hi')")
+    result = run("print('hi')", allow_unjailed=True)
+    assert result.passed, result.stderr_tail
+    assert result.isolation[0].startswith("files: UNJAILED by explicit opt-in")
+
+
+def test_the_opt_in_environment_variable(no_bwrap, monkeypatch):
+    monkeypatch.setenv(sandbox.ALLOW_UNJAILED_ENV, "1")
+    assert run("print('hi')").isolation[0].startswith("files: UNJAILED by explicit opt-in")
+    with pytest.raises(SandboxUnavailable):
+        run("print('hi')", allow_unjailed=False)
+
+
+# ------------------------------------------------------------------------ seccomp table
+
+
+@pytest.mark.parametrize(
+    ("machine", "header"),
+    [("x86_64", "/usr/include/x86_64-linux-gnu/asm/unistd_64.h"),
+     ("aarch64", "/usr/include/asm-generic/unistd.h")],
+)
+def test_syscall_numbers_match_the_kernel_headers(machine, header):
+    if not Path(header).is_file():
+        pytest.skip(f"{header} not installed (linux-libc-dev)")
+    text = Path(header).read_text()
+    numbers = {m.group(1): int(m.group(2))
+               for m in re.finditer(r"#define __NR3?2?_(\w+)\s+(\d+)\b", text)}
+    table = seccomp.ARCHES[machine][1]
+    assert {name: numbers.get(name) for name in table} == table
+    missing = [name for name in (*seccomp.DENIED, "clone", "clone3")
+               if name not in table and name in numbers]
+    assert missing == []
 
 
 @pytest.mark.parametrize(
@@ -333,6 +579,7 @@ def test_isolation_reports_every_barrier():
         ({"cpu_s": 0}, "cpu_s must be a whole number"),
         ({"max_procs": 0}, "max_procs must be an integer >= 1"),
         ({"max_file_bytes": 10}, "max_file_bytes must be an integer >= 4096"),
+        ({"disk_bytes": 10}, "disk_bytes must be an integer >= 65536"),
     ],
 )
 def test_bad_limits_are_clear_errors(overrides, message):
