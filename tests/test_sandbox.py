@@ -212,9 +212,10 @@ def test_reading_a_root_only_file(canary):
 
 
 def test_listing_root_and_home(canary):
-    result = run("""
+    checkout = Path(__file__).resolve().parents[1]
+    result = run(f"""
         import os
-        for path in ("/root", "/home", "/etc", "/work", "/proc/1/root"):
+        for path in ("/root", "/home", "/etc", "/proc/1/root", {str(checkout)!r}):
             try:
                 print(path, sorted(os.listdir(path)))
             except OSError as exc:
@@ -230,6 +231,7 @@ def test_listing_root_and_home(canary):
     lines = dict(line.split(" ", 1) for line in result.stdout_tail.strip().splitlines())
     assert lines["/home"] == "FileNotFoundError"
     assert lines["/etc"] == "FileNotFoundError"
+    assert lines[str(checkout)] == "FileNotFoundError"  # the project checkout is not there
 
 
 def test_reading_proc_environ_of_init_and_the_parent(canary):
