@@ -5,7 +5,8 @@ memory, fork, fill the disk, read secrets, or try to reach the network. Scoring 
 disturb the test session or show it anything of the host, so every program runs in a fresh
 interpreter inside a *jail* built from kernel barriers, probed once per process strongest first:
 
-jail (bubblewrap, ``bwrap``: the only file-system barrier used)
+jail (bubblewrap, ``bwrap``; as root without it, the same view built with util-linux: a tmpfs
+root of read-only bind mounts in fresh namespaces, entered with ``chroot``)
     - a new root holding only read-only binds of ``/usr`` and the ``/lib*``, ``/bin`` links, the
       interpreter binary, its shared library and its standard library (``site-packages`` hidden),
       ``/proc`` and a minimal ``/dev`` of its own, and a private size-capped ``/tmp`` holding the
@@ -26,7 +27,7 @@ courtesy layer (Python-level, *not* a barrier: a program can undo it, e.g. by re
     - spawning, sockets, writes outside the working directory, ``chdir`` raise PermissionError
       early with a readable message; a scrubbed environment, umask 077.
 
-Without bubblewrap there is no file-system barrier: the host's files would be readable. Then
+Without either jail there is no file-system barrier: the host's files would be readable. Then
 :func:`run_untrusted` refuses (:class:`SandboxUnavailable`) unless the caller opts in
 (``allow_unjailed=True``; pytest option ``--dflash-allow-unjailed``, environment
 ``DFLASH_ALLOW_UNJAILED=1``), and the opt-in is named in every result's isolation line. The
@@ -281,7 +282,7 @@ def _interpreter_files() -> tuple[list[Path], list[Path]]:
 class _Launcher:
     """The command chain that wraps the interpreter, as probed on this machine."""
 
-    jail: bool  # a file-system jail (bubblewrap) holds
+    jail: str  # the file-system jail that holds: "bwrap", "chroot", or "" for none
     prefix: tuple[str, ...]  # bwrap with its fixed arguments, or the unshare chain
     drop: tuple[str, ...]  # e.g. ("/usr/bin/setpriv", "--reuid=65534", ..., "--")
     uid: int | None  # the unprivileged user the child runs as; None when it keeps the parent's
@@ -291,17 +292,49 @@ class _Launcher:
 
     def argv(self, root: Path, disk_bytes: int) -> tuple[list[str], Path]:
         """(command before the interpreter, working directory as the program sees it)."""
-        if self.jail:
+        if self.jail == "bwrap":
             jail = [*self.prefix, "--size", str(disk_bytes), "--perms", "1777", "--tmpfs", "/tmp",
                     "--perms", "0777", "--dir", JAIL_WORKDIR,
                     "--ro-bind", str(root / "main.py"), f"{JAIL_WORKDIR}/main.py",
                     "--chdir", JAIL_WORKDIR, "--"]
+            return jail + list(self.drop), Path(JAIL_WORKDIR)
+        if self.jail == "chroot":
+            (root / "jail").mkdir(mode=0o700)
+            unshare, chroot, *specs = self.prefix
+            jail = [unshare, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
+                    "--kill-child", "--", "/bin/sh", "-c", _CHROOT_SCRIPT, "dflash-jail",
+                    str(root / "jail"), str(root / "main.py"), str(disk_bytes), chroot, *specs,
+                    "--"]
             return jail + list(self.drop), Path(JAIL_WORKDIR)
         work = root / "work"
         chain = list(self.prefix)
         if self.mount_ns:
             chain += ["/bin/sh", "-c", _MOUNT_SCRIPT, "dflash-sandbox", str(work)]
         return chain + list(self.drop), work
+
+
+def _jail_view() -> list[tuple[str, str, str]]:
+    """What a jail shows, as (op, path, target): ``link`` a system-directory symlink, ``dir`` an
+    empty traversable parent, ``bind`` a read-only bind, ``hide`` an empty directory on top."""
+    view: list[tuple[str, str, str]] = []
+    for name in _SYSTEM_DIRS:
+        path = Path(name)
+        if path.is_symlink():
+            view.append(("link", name, os.readlink(path)))
+        elif path.is_dir():
+            view.append(("bind", name, ""))
+    binds, hidden = _interpreter_files()
+    # Parents of the binds outside the system directories (e.g. /root/.pyenv/...) are created
+    # traversable and empty: bwrap would copy the host's mode (0700 for /root).
+    system = [Path(name) for name in _SYSTEM_DIRS]
+    parents = sorted({parent for path in binds for parent in path.parents
+                      if parent != Path("/") and not any(s == parent or s in parent.parents
+                                                         for s in system)},
+                     key=lambda p: len(p.parts))
+    view += [("dir", str(parent), "") for parent in parents]
+    view += [("bind", str(path), "") for path in binds]
+    view += [("hide", str(path), "") for path in hidden]
+    return view
 
 
 def _bwrap_prefix(bwrap: str, as_root: bool) -> list[str]:
@@ -314,27 +347,52 @@ def _bwrap_prefix(bwrap: str, as_root: bool) -> list[str]:
     else:
         chain = [bwrap, "--unshare-all", "--cap-drop", "ALL"]
     chain += ["--die-with-parent", "--new-session"]
-    for name in _SYSTEM_DIRS:
-        path = Path(name)
-        if path.is_symlink():
-            chain += ["--symlink", os.readlink(path), name]
-        elif path.is_dir():
-            chain += ["--ro-bind", name, name]
-    binds, hidden = _interpreter_files()
-    # Parents of the binds outside the system directories (e.g. /root/.pyenv/...) are created
-    # traversable and empty: bwrap would copy the host's mode (0700 for /root).
-    system = [Path(name) for name in _SYSTEM_DIRS]
-    parents = sorted({parent for path in binds for parent in path.parents
-                      if parent != Path("/") and not any(s == parent or s in parent.parents
-                                                         for s in system)},
-                     key=lambda p: len(p.parts))
-    for parent in parents:
-        chain += ["--perms", "0755", "--dir", str(parent)]
-    for path in binds:
-        chain += ["--ro-bind", str(path), str(path)]
-    for path in hidden:
-        chain += ["--tmpfs", str(path)]
+    options = {"link": ["--symlink"], "dir": ["--perms", "0755", "--dir"],
+               "bind": ["--ro-bind"], "hide": ["--tmpfs"]}
+    for op, path, target in _jail_view():
+        chain += [*options[op], *([target] if op == "link" else [path] if op == "bind" else []),
+                  path]
     return chain + ["--proc", "/proc", "--dev", "/dev"]
+
+
+# The chroot jail (root, util-linux only): runs as root in fresh mount, pid, network, IPC and UTS
+# namespaces (unshare makes mount propagation private: nothing reaches the host), builds the same
+# view as the bubblewrap jail on a tmpfs, and runs the command chrooted. The shell stays pid 1 of
+# the namespace, so the program is an ordinary process that dies with it.
+_CHROOT_SCRIPT = r"""
+set -eu
+new="$1"; program="$2"; size="$3"; chroot="$4"; shift 4
+mount -t tmpfs -o mode=0755,size=1m dflash-root "$new"
+while [ "$1" != "--" ]; do
+  op="${1%%:*}"; rest="${1#*:}"; shift
+  case "$op" in
+    link) ln -s "${rest#*:}" "$new${rest%%:*}" ;;
+    dir) mkdir -p -m 0755 "$new$rest" ;;
+    bind)
+      if [ -d "$rest" ]; then mkdir -p "$new$rest"
+      else mkdir -p "$(dirname "$new$rest")"; : > "$new$rest"; fi
+      mount --bind "$rest" "$new$rest"
+      mount -o remount,bind,ro,nosuid,nodev "$new$rest" ;;
+    hide) mount -t tmpfs -o mode=0555,size=4k,ro dflash-hide "$new$rest" ;;
+  esac
+done
+shift
+mkdir -p "$new/proc" "$new/dev" "$new/tmp"
+mount -t proc -o nosuid,nodev,noexec proc "$new/proc"
+for d in null zero full random urandom; do
+  : > "$new/dev/$d"; mount --bind "/dev/$d" "$new/dev/$d"
+done
+mount -t tmpfs -o "mode=1777,size=$size,nosuid,nodev" dflash-tmp "$new/tmp"
+mkdir -m 0777 "$new/tmp/work"
+cp "$program" "$new/tmp/work/main.py"; chmod 0444 "$new/tmp/work/main.py"
+mount -o remount,ro "$new"
+"$chroot" "$new" "$@"
+"""
+
+
+def _chroot_specs() -> list[str]:
+    return [f"{op}:{path}:{target}" if op == "link" else f"{op}:{path}"
+            for op, path, target in _jail_view()]
 
 
 def _others_can_reach(path: Path) -> bool:
@@ -405,43 +463,58 @@ def _try(launcher: _Launcher, **checks: object) -> str | None:
 
 
 def _probe_jail(notes: list[str]) -> _Launcher | None:
-    bwrap = shutil.which("bwrap", path=_TOOL_PATH)
-    if bwrap is None:
-        notes.append("files: NO JAIL: bubblewrap (bwrap) not found; install the bubblewrap "
-                     "package (apt-get install bubblewrap)")
-        return None
+    """The strongest jail that holds here: bubblewrap, else (as root) a chroot jail."""
     as_root = os.geteuid() == 0
     drop: tuple[str, ...] = ()
     uid = None
     if as_root:
         setpriv = shutil.which("setpriv", path=_TOOL_PATH)
+        setpriv = os.path.realpath(setpriv) if setpriv else None  # it must exist in the jail
         if setpriv is None or not setpriv.startswith("/usr/"):
-            notes.append("files: NO JAIL: util-linux setpriv not found under /usr; the jail "
+            notes.append("files: NO JAIL: util-linux setpriv not found under /usr; a jail "
                          "would run the program as root")
             return None
         uid = _unprivileged_uid()
         drop = _setpriv_drop(setpriv, uid, keep_read=False)
-    launcher = _Launcher(jail=True, prefix=tuple(_bwrap_prefix(bwrap, as_root)), drop=drop,
-                         uid=uid)
-    reason = _try(launcher, jail=True, seccomp=False)
-    if reason is not None:
-        notes.append(f"files: NO JAIL: bubblewrap failed here ({reason})")
-        return None
     user = (f"uid {uid} (real, no user namespace) without capabilities, no_new_privs" if as_root
             else "the parent's uid in a user namespace, no capabilities, no_new_privs")
-    notes += [
-        "files: bubblewrap jail: only the interpreter and its standard library (read-only), the "
-        "working directory and a private size-capped /tmp are visible",
-        "network: empty network namespace (bwrap), no route to the host",
-        "processes: own pid namespace, killed with the sandbox",
-        f"user: {user}",
-    ]
-    return launcher
+    view = ("only the interpreter and its standard library (read-only), the working directory "
+            "and a private size-capped /tmp are visible")
+    failed: list[str] = []
+    bwrap = shutil.which("bwrap", path=_TOOL_PATH)
+    if bwrap is None:
+        failed.append("bubblewrap (bwrap) not found; install the bubblewrap package "
+                      "(apt-get install bubblewrap)")
+    else:
+        launcher = _Launcher(jail="bwrap", prefix=tuple(_bwrap_prefix(bwrap, as_root)),
+                             drop=drop, uid=uid)
+        reason = _try(launcher, jail=True, seccomp=False)
+        if reason is None:
+            notes += [f"files: bubblewrap jail: {view}",
+                      "network: empty network namespace (bwrap), no route to the host",
+                      "processes: own pid namespace, killed with the sandbox", f"user: {user}"]
+            return launcher
+        failed.append(f"bubblewrap failed here ({reason})")
+    tools = [shutil.which(name, path=_TOOL_PATH) for name in ("unshare", "chroot", "mount")]
+    if as_root and all(tools):
+        launcher = _Launcher(jail="chroot", prefix=(tools[0], tools[1], *_chroot_specs()),
+                             drop=drop, uid=uid)
+        reason = _try(launcher, jail=True, seccomp=False)
+        if reason is None:
+            notes += [f"files: chroot jail (util-linux, bubblewrap unavailable): {view}",
+                      "network: empty network namespace (unshare), no route to the host",
+                      "processes: own pid namespace, killed with the sandbox", f"user: {user}"]
+            return launcher
+        failed.append(f"chroot jail failed here ({reason})")
+    elif as_root:
+        failed.append("util-linux unshare/chroot/mount not found")
+    notes.append(f"files: NO JAIL: {'; '.join(failed)}")
+    return None
 
 
 def _probe_unjailed(notes: list[str]) -> _Launcher:
     """The util-linux chain: no file-system barrier, used only on explicit opt-in."""
-    launcher = _Launcher(jail=False, prefix=(), drop=(), uid=None)
+    launcher = _Launcher(jail="", prefix=(), drop=(), uid=None)
     unshare = shutil.which("unshare", path=_TOOL_PATH)
     if unshare is None:
         notes.append("network: in-process socket guard only (util-linux unshare not found)")
@@ -495,7 +568,7 @@ def _launcher() -> _Launcher:
         notes.append("seccomp: none (no system-call table for this machine)")
     else:
         filtered = dataclasses.replace(launcher, seccomp=program.hex())
-        reason = _try(filtered, jail=launcher.jail, seccomp=True)
+        reason = _try(filtered, jail=bool(launcher.jail), seccomp=True)
         if reason is None:
             launcher = filtered
             notes.append("seccomp: no fork/exec/ptrace/namespaces/io_uring/bpf (filter)")
@@ -518,7 +591,7 @@ def isolation() -> tuple[str, ...]:
 def jailed() -> bool:
     """True if a file-system jail holds here (otherwise only an explicit opt-in runs code)."""
     with _launcher_lock:
-        return _launcher().jail
+        return bool(_launcher().jail)
 
 
 def _tail(path: Path, chars: int) -> str:

@@ -39,13 +39,43 @@ def _own_programs_may_run_unjailed(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(sandbox.ALLOW_UNJAILED_ENV, "1")
 
 
-@pytest.fixture
-def jail() -> None:
-    if not jailed():
-        message = f"no file-system jail on this machine: {isolation()[0]}"
-        if os.environ.get("DFLASH_REQUIRE_JAIL") == "1":
+def _tools(folder: Path, names: tuple[str, ...]) -> Path:
+    """A tool path holding only ``names`` (links to this machine's real tools)."""
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        for where in ("/usr/bin", "/bin", "/usr/sbin", "/sbin"):
+            if Path(where, name).exists():
+                (folder / name).symlink_to(Path(where, name))
+                break
+    return folder
+
+
+_LAUNCHERS: dict[str, sandbox._Launcher] = {}
+
+
+@pytest.fixture(params=["bwrap", "chroot"])
+def jail(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+         monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each jail this machine can build, probed for real once per kind: bubblewrap, and the
+    util-linux chroot jail it falls back to (as root) when bubblewrap is missing."""
+    kind = request.param
+    if kind not in _LAUNCHERS:
+        with monkeypatch.context() as patch:
+            if kind == "chroot":
+                tools = _tools(tmp_path_factory.mktemp("tools"),
+                               ("unshare", "setpriv", "sh", "mount", "chroot"))
+                patch.setattr(sandbox, "_TOOL_PATH", str(tools))
+            sandbox._launcher.cache_clear()
+            _LAUNCHERS[kind] = sandbox._launcher()
+            sandbox._launcher.cache_clear()
+    launcher = _LAUNCHERS[kind]
+    if launcher.jail != kind:
+        message = f"no {kind} jail on this machine: {launcher.isolation[0]}"
+        if kind == "bwrap" and os.environ.get("DFLASH_REQUIRE_JAIL") == "1":
             pytest.fail(f"DFLASH_REQUIRE_JAIL=1 but {message}")
         pytest.skip(message)
+    monkeypatch.setattr(sandbox, "_launcher", lambda: launcher)
+    return kind
 
 
 @pytest.fixture
@@ -84,7 +114,7 @@ class Canary:
 
 
 @pytest.fixture
-def canary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, jail: None) -> Canary:
+def canary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, jail: str) -> Canary:
     return Canary(tmp_path, monkeypatch)
 
 
@@ -162,7 +192,9 @@ def test_memory_bomb_is_contained(program):
 
 def test_isolation_names_the_jail_first(jail):
     notes = isolation()
-    assert notes[0].startswith("files: bubblewrap jail: only the interpreter"), notes
+    name = {"bwrap": "bubblewrap jail", "chroot": "chroot jail (util-linux"}[jail]
+    assert notes[0].startswith(f"files: {name}"), notes
+    assert "only the interpreter and its standard library (read-only)" in notes[0]
     kinds = [note.split(":")[0] for note in notes]
     assert kinds == ["files", "network", "processes", "user", "seccomp", "limits",
                      "python guards"]
@@ -527,14 +559,8 @@ def test_bypassing_the_socket_guard_is_stopped_by_the_kernel(listener, jail):
 
 @pytest.fixture
 def no_bwrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """This machine as it would be without bubblewrap: a tool path with util-linux only."""
-    tools = tmp_path / "tools"
-    tools.mkdir()
-    for name in ("unshare", "setpriv", "sh", "mount", "mountpoint"):
-        for folder in ("/usr/bin", "/bin", "/usr/sbin", "/sbin"):
-            if Path(folder, name).exists():
-                (tools / name).symlink_to(Path(folder, name))
-                break
+    """This machine as it would be without bubblewrap and chroot: util-linux's unshare only."""
+    tools = _tools(tmp_path / "tools", ("unshare", "setpriv", "sh", "mount", "mountpoint"))
     monkeypatch.setattr(sandbox, "_TOOL_PATH", str(tools))
     monkeypatch.delenv(sandbox.ALLOW_UNJAILED_ENV, raising=False)
     sandbox._launcher.cache_clear()
