@@ -16,44 +16,26 @@ import time
 from pathlib import Path
 
 from pytest_dflash import report as reports
-from pytest_dflash.table import render
 
 #: fingerprint fields that say which code and kernels the evidence is about (checked by enable)
 CODE_FIELDS = ("git_head", "git_dirty_sha256", "kernel_sources_sha256", "sidecar_sha256")
 
 
 def _verdict(args: argparse.Namespace) -> int:
+    from pytest_dflash.summary import all_accepted, render_summary
+
     data = reports.load(Path(args.report))
-    print(f"profile {data['profile']}, device {data['device'].get('name')}, "
-          f"created {data['created']}")
-    for line in render(data):
-        print(line)
-    verdicts = [entry["verdict"] for entry in data["routes"].values()]
-    return 0 if verdicts and all(v == "accept" for v in verdicts) else 1
+    sys.stdout.write(render_summary(data, args.format))
+    return 0 if all_accepted(data) else 1
 
 
 def _diff(args: argparse.Namespace) -> int:
+    from pytest_dflash import history
+
     old, new = reports.load(Path(args.old)), reports.load(Path(args.new))
-    lines: list[str] = []
-    for name in sorted(set(old["routes"]) | set(new["routes"])):
-        before, after = old["routes"].get(name), new["routes"].get(name)
-        if before is None or after is None:
-            lines.append(f"{name}: {'added' if before is None else 'removed'}")
-            continue
-        if before["verdict"] != after["verdict"]:
-            lines.append(f"{name}: verdict {before['verdict']} -> {after['verdict']}")
-        for kind in sorted(set(before["gates"]) | set(after["gates"])):
-            gate_a = before["gates"].get(kind, {"status": "absent", "figure": ""})
-            gate_b = after["gates"].get(kind, {"status": "absent", "figure": ""})
-            if gate_a["status"] != gate_b["status"] or gate_a["figure"] != gate_b["figure"]:
-                lines.append(f"{name} {kind}: {gate_a['status']} ({gate_a['figure'] or '-'})"
-                             f" -> {gate_b['status']} ({gate_b['figure'] or '-'})")
-    if old["fingerprint"] != new["fingerprint"]:
-        changed = sorted(k for k in set(old["fingerprint"]) | set(new["fingerprint"])
-                         if old["fingerprint"].get(k) != new["fingerprint"].get(k))
-        lines.append(f"fingerprint changed: {', '.join(changed)}")
-    print("\n".join(lines) if lines else "no differences")
-    return 0
+    result = history.compare(old, new)
+    print("\n".join(result.lines()))
+    return 1 if result.worse else 0
 
 
 def _enable(args: argparse.Namespace) -> int:
@@ -83,6 +65,38 @@ def _foreign_fields(recorded: dict, root: Path) -> list[str]:
     here = fingerprint.collect(root, Path(sidecar) if sidecar else None)
     return [f"{name}: {recorded.get(name)} -> {here.get(name)}" for name in CODE_FIELDS
             if recorded.get(name) != here.get(name)]
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from pytest_dflash.plot import PlotError, plot_report
+
+    data = reports.load(Path(args.report))
+    try:
+        written = plot_report(data, Path(args.output))
+    except PlotError as exc:
+        print(f"pytest-dflash: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    if not written:
+        print("no gate in this report recorded samples, cases or per-task outcomes to plot",
+              file=sys.stderr)
+    return 0
+
+
+def _history(args: argparse.Namespace) -> int:
+    from pytest_dflash import history
+
+    listed = history.entries(Path(args.root))
+    if not listed:
+        print(f"no runs stored under {Path(args.root) / history.HISTORY_DIR}; "
+              "save one with pytest --dflash-save")
+    for e in listed:
+        v = e["verdicts"]
+        print(f"{e['seq']:>4}  {e['created']}  {e['name'] or '-':<16} {e['profile']:<5} "
+              f"{e['device']}  {e['fingerprint']}  accept {v.get('accept', 0)} reject "
+              f"{v.get('reject', 0)} pending {v.get('pending', 0)}  {e['file']}")
+    return 0
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -121,8 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     verdict = sub.add_parser("verdict", help="print the verdict table of a report")
     verdict.add_argument("report")
+    verdict.add_argument("--format", choices=("text", "markdown", "json"), default="text",
+                         help="text (terminal), markdown (PR comment, $GITHUB_STEP_SUMMARY), json")
     verdict.set_defaults(run=_verdict)
-    diff = sub.add_parser("diff", help="what changed between two reports, per route and gate")
+    diff = sub.add_parser("diff", help="what changed between two reports, per route and gate; "
+                                       "exit 1 if a verdict or gate got worse")
     diff.add_argument("old")
     diff.add_argument("new")
     diff.set_defaults(run=_diff)
@@ -133,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     enable.add_argument("--any-fingerprint", action="store_true",
                         help="enable even if the report was measured on other code or kernels")
     enable.set_defaults(run=_enable)
+    plot = sub.add_parser("plot", help="PNG and SVG pictures of a report's samples and cases")
+    plot.add_argument("report")
+    plot.add_argument("-o", "--output", default="dflash-plots", help="output folder")
+    plot.set_defaults(run=_plot)
+    hist = sub.add_parser("history", help="list the runs kept by pytest --dflash-save")
+    hist.add_argument("--root", default=".", help="folder holding .dflash/ (default: here)")
+    hist.set_defaults(run=_history)
     build = sub.add_parser("build", help="build the bundled D256 op library ahead of time")
     build.add_argument("--variant", choices=("full", "dense_only"), default="full")
     build.add_argument("--cache-dir", type=Path, default=None,

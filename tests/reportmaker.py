@@ -1,0 +1,54 @@
+"""Build real report files (through ``pytest_dflash.report``) for the reporting tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pytest_dflash import report as reports
+from pytest_dflash.registry import Route
+
+FAST = Route("toy.add.fast", "toy.add", "candidate", baseline="toy.add.base",
+             gates=("parity", "speed"))
+SLOW = Route("toy.add.slow", "toy.add", "candidate", baseline="toy.add.base",
+             gates=("parity",), switch="TOY_SLOW")
+
+
+def timing(ratios: list[float], *, threshold: float = 0.99, rule: str = "gain",
+           passed: bool | None = None) -> dict[str, Any]:
+    """Measurements shaped like ``timing.speed_gate`` records them, from per-round ratios."""
+    import numpy as np
+
+    base = [1e-3 * (1 + 0.01 * (i % 3)) for i in range(len(ratios))]
+    cand = [r * b for r, b in zip(ratios, base, strict=True)]
+    med = float(np.median(ratios))
+    lo, hi = float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))
+    ok = (hi < threshold) if passed is None else passed
+    return {"figure": f"ratio {med:.3f} [{lo:.3f}, {hi:.3f}] over {len(ratios)} rounds",
+            "ratio_median": med, "ci_low": lo, "ci_high": hi, "rounds": len(ratios),
+            "outcome": "faster" if ok else "neutral", "rule": rule, "threshold": threshold,
+            "samples": {"candidate": cand, "baseline": base}}
+
+
+def make(path: Path, *, parity: str = "passed", speed: str = "passed", head: str = "abc",
+         device: dict[str, Any] | None = None, profile: str = "ci",
+         policy: dict[str, Any] | None = None, speed_measurements: dict[str, Any] | None = None,
+         ) -> Path:
+    """A two-route report; ``speed=""`` leaves the speed gate without tests (pending)."""
+    data = reports.new_report(routes=[FAST, SLOW], fingerprint={"git_head": head},
+                              device=device or {"name": "cpu (2 cores)", "type": "cpu"},
+                              profile=profile, policy=policy or {"speed_min_gain": 0.01})
+    for kind, outcome in (("parity", parity), ("speed", speed)):
+        if outcome:
+            measurements = {"figure": f"{kind} {outcome}"}
+            if kind == "speed" and speed_measurements:
+                measurements = speed_measurements
+            reports.add_test(data, FAST.name, kind, {
+                "nodeid": f"t.py::test_{kind}[toy.add.fast]", "outcome": outcome,
+                "duration_s": 0.1, "message": f"{kind} said {outcome} | details",
+                "measurements": measurements})
+    reports.add_test(data, SLOW.name, "parity", {
+        "nodeid": "t.py::test_parity[toy.add.slow]", "outcome": "passed", "duration_s": 0.1,
+        "message": "", "measurements": {"figure": "rel L2 1e-7 | max abs 2e-7"}})
+    reports.write_atomic(data, path)
+    return path
