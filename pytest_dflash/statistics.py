@@ -179,6 +179,7 @@ def paired_compare(
     rule: str,
     threshold: float,
     warmup: int = 0,
+    on_round: Callable[[int, int, Sequence[float], Sequence[float]], None] | None = None,
 ) -> PairedResult:
     """Time both sides interleaved, in a seeded random order per round, and decide by ``rule``.
 
@@ -186,7 +187,8 @@ def paired_compare(
     rounds; while the CI straddles ``threshold`` the number of rounds doubles, up to
     ``max_rounds``. Interim looks stop only on a decision their (stricter, alpha-spending) CI
     supports, and an undecided run at the cap fails (fail closed). ``PairedResult.confidence`` is
-    the level of the CI that made the decision.
+    the level of the CI that made the decision. ``on_round(done, target, candidate_s,
+    baseline_s)``, if given, is called after every round (progress display; it must not time).
     """
     if rule not in RULES:
         raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(RULES)}")
@@ -224,6 +226,8 @@ def paired_compare(
                 c = _timed(run_candidate, "run_candidate")
             cand.append(c)
             base.append(b)
+            if on_round is not None:
+                on_round(len(cand), target, cand, base)
         ratios = np.asarray(cand) / np.asarray(base)
         looks.append(len(cand))
         final = len(looks) == len(plan)

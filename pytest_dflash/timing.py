@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pytest_dflash import progress
 from pytest_dflash.policy import Policy
 from pytest_dflash.statistics import PairedResult, max_rounds_for, paired_compare, threshold_for
 
@@ -127,18 +128,22 @@ def speed_gate(
         return run
 
     load_before = list(os.getloadavg())
-    result = paired_compare(
-        timed(candidate),
-        timed(baseline),
-        rounds=policy.speed_rounds,
-        max_rounds=max_rounds_for(rule, policy),
-        confidence=policy.speed_confidence,
-        resamples=policy.bootstrap_resamples,
-        seed=policy.seed + zlib.crc32(label.encode()),
-        rule=rule,
-        threshold=threshold,
-        warmup=policy.speed_warmup,
-    )
+    max_rounds = max_rounds_for(rule, policy)
+    with progress.gate(label, rule=rule, threshold=threshold, max_rounds=max_rounds,
+                       confidence=policy.speed_confidence) as on_round:
+        result = paired_compare(
+            timed(candidate),
+            timed(baseline),
+            rounds=policy.speed_rounds,
+            max_rounds=max_rounds,
+            confidence=policy.speed_confidence,
+            resamples=policy.bootstrap_resamples,
+            seed=policy.seed + zlib.crc32(label.encode()),
+            rule=rule,
+            threshold=threshold,
+            warmup=policy.speed_warmup,
+            on_round=on_round,
+        )
     record(
         figure=result.figure(),
         ratio_median=result.median,
