@@ -354,5 +354,12 @@ def summarize_quality(
         "contract_failures_candidate": contract_cand,
         "natural_stop_rate_baseline": stops_base / n,
         "natural_stop_rate_candidate": stops_cand / n,
+        # per task, both routes: what the outcome grid of `pytest-dflash plot` draws
+        "per_task": [
+            {"task_id": x["task_id"],
+             "baseline": {k: x[k] for k in ("passed", "contract_ok", "natural_stop")},
+             "candidate": {k: y[k] for k in ("passed", "contract_ok", "natural_stop")}}
+            for x, y in zip(base, cand, strict=True)
+        ],
     }
     return QualitySummary(ok=not reasons, reasons=reasons, measurements=measurements)
