@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_dflash import report as reports
+from pytest_dflash.policy import Policy
 from pytest_dflash.registry import Route
 
 FAST = Route("toy.add.fast", "toy.add", "candidate", baseline="toy.add.base",
@@ -30,14 +31,21 @@ def timing(ratios: list[float], *, threshold: float = 0.99, rule: str = "gain",
             "samples": {"candidate": cand, "baseline": base}}
 
 
+def fingerprint(head: str = "abc") -> dict[str, Any]:
+    """A schema-valid fingerprint whose git head starts with ``head`` (hex digits)."""
+    return {"git_head": head.ljust(40, "0"), "git_dirty_sha256": None,
+            "kernel_sources_sha256": None, "sidecar_sha256": None, "python": "3.11",
+            "torch": "2.13.0+cpu", "cuda": None, "device": "cpu (2 cores)", "libraries": []}
+
+
 def make(path: Path, *, parity: str = "passed", speed: str = "passed", head: str = "abc",
          device: dict[str, Any] | None = None, profile: str = "ci",
          policy: dict[str, Any] | None = None, speed_measurements: dict[str, Any] | None = None,
          ) -> Path:
     """A two-route report; ``speed=""`` leaves the speed gate without tests (pending)."""
-    data = reports.new_report(routes=[FAST, SLOW], fingerprint={"git_head": head},
+    data = reports.new_report(routes=[FAST, SLOW], fingerprint=fingerprint(head),
                               device=device or {"name": "cpu (2 cores)", "type": "cpu"},
-                              profile=profile, policy=policy or {"speed_min_gain": 0.01})
+                              profile=profile, policy={**Policy().as_dict(), **(policy or {})})
     for kind, outcome in (("parity", parity), ("speed", speed)):
         if outcome:
             measurements = {"figure": f"{kind} {outcome}"}

@@ -26,7 +26,8 @@ def test_save_keeps_every_run_with_its_context(tmp_path: Path) -> None:
     path_2 = history.save(second, tmp_path, name="after-fix")
     assert path_1.parent == path_2.parent == tmp_path / ".dflash"
     assert path_1.name.startswith("0001_") and "_ci_cpu_1234567890" in path_1.name
-    assert path_2.name.startswith("0002_") and path_2.name.endswith("_quick_cpu_abc_after-fix.json")
+    assert path_2.name.startswith("0002_")
+    assert path_2.name.endswith("_quick_cpu_abc0000000_after-fix.json")
     assert reports.load(path_2)["routes"]["toy.add.fast"]["verdict"] == "reject"
     index = json.loads((tmp_path / ".dflash" / "index.json").read_text())
     assert [e["seq"] for e in index] == [1, 2]

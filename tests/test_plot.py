@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from reportmaker import timing
+from reportmaker import fingerprint, timing
 
 from pytest_dflash import report as reports
+from pytest_dflash.policy import Policy
 from pytest_dflash.registry import Route
 
 pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is part of the test extra")
@@ -36,8 +37,9 @@ def _cases(n: int, failing: int) -> list[dict]:
 
 def _report(path: Path) -> Path:
     rng = np.random.default_rng(3)
-    data = reports.new_report(routes=[ROUTE], fingerprint={"git_head": "abc"},
-                              device={"name": "cpu", "type": "cpu"}, profile="quick", policy={})
+    data = reports.new_report(routes=[ROUTE], fingerprint=fingerprint(),
+                              device={"name": "cpu", "type": "cpu"}, profile="quick",
+                              policy=Policy().as_dict())
 
     def add(kind: str, name: str, outcome: str, measurements: dict) -> None:
         reports.add_test(data, ROUTE.name, kind, {
@@ -136,8 +138,9 @@ def test_parity_and_quality_pictures_show_cases_and_tasks(plotted: tuple[Path, s
 
 
 def test_a_report_without_samples_plots_nothing_and_says_so(tmp_path: Path) -> None:
-    data = reports.new_report(routes=[ROUTE], fingerprint={}, device={"name": "cpu"},
-                              profile="ci", policy={})
+    data = reports.new_report(routes=[ROUTE], fingerprint=fingerprint(),
+                              device={"name": "cpu", "type": "cpu"}, profile="ci",
+                              policy=Policy().as_dict())
     path = tmp_path / "empty.json"
     reports.write_atomic(data, path)
     done = _plot(path, tmp_path / "plots")
