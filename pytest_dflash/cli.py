@@ -130,6 +130,26 @@ def _write_log(text: str, cache_dir: Path, variant: str) -> Path:
     return path
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from pytest_dflash import serve
+    except ImportError as exc:
+        print(f"pytest-dflash serve needs the serve extra ({exc}): pip install "
+              "'pytest-dflash[serve]'", file=sys.stderr)
+        return 2
+    try:
+        serve.serve(args.host, args.port, args.profile, args.device, args.plugin,
+                    model_name=args.served_model_name, log_level=args.log_level)
+    except ImportError as exc:
+        print(f"pytest-dflash serve needs the serve extra ({exc}): pip install "
+              "'pytest-dflash[serve]'", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # ServeError, unknown routes, bad selections
+        print(f"pytest-dflash serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pytest-dflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -163,6 +183,22 @@ def main(argv: list[str] | None = None) -> int:
                        help="cache directory (default: $DFLASH_CACHE_DIR or "
                        "~/.cache/pytest-dflash)")
     build.set_defaults(run=_build)
+    serve = sub.add_parser(
+        "serve", help="serve the reference engine over an OpenAI-compatible HTTP API; routes "
+                      "from the NAME=1 enable switches in the environment")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--profile", choices=("quick", "ci", "full"), default=None,
+                       help="engine sizes (default: $DFLASH_PROFILE, else ci)")
+    serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                       help="(default: $DFLASH_DEVICE, else cpu)")
+    serve.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                       help="module whose pytest_dflash_routes(registry) registers more routes "
+                            "(repeatable)")
+    serve.add_argument("--served-model-name", default="dflash-reference")
+    serve.add_argument("--log-level", default="warning",
+                       choices=("critical", "error", "warning", "info", "debug"))
+    serve.set_defaults(run=_serve)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -1,22 +1,107 @@
 """Engines for model-level gates: the protocol every engine offers (DESIGN 4).
 
-The embedded default is the reference engine (``pytest_dflash.engines.reference``); real engines
-plug in through the ``pytest_dflash_engine`` hook and only have to offer these methods.
+The embedded default is the reference engine (``pytest_dflash.engines.reference``); an engine
+over an OpenAI-compatible server is ``pytest_dflash.engines.openai_server``; other engines plug
+in through the ``pytest_dflash_engine`` hook and only have to offer these methods.
+
+Not every engine can offer every measurement: a server returns top-k log-probs, not full
+logits, and cannot run a verify step of M <= 8 rows on a cached prefix. An engine says what it
+offers in ``capabilities``; a gate that needs what is missing stays pending with the reason
+(:func:`missing`), never failed and never passed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
+
+# What a model-level gate may need beyond score/generate/encode, which every engine offers.
+CAPABILITIES: tuple[str, ...] = ("prefill_timing", "first_token_hash", "verify_logits",
+                                 "route_hits")
+
+
+class EngineUnsupported(RuntimeError):
+    """The engine cannot do this at all (not a failure of the route it runs)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine offers beyond score/generate/encode.
+
+    - ``prefill_timing``: ``prefill()`` returns a meaningful wall time of the prefill (for a
+      server: time to first token) and ``reset_prefix_cache()`` makes the next one cold;
+    - ``first_token_hash``: ``prefill()`` hashes the first token's *full* logits, so two runs of
+      one route can be proven bitwise identical;
+    - ``verify_logits``: ``verify(draft)`` returns logits [M, vocab] for M <= 8 draft rows on
+      top of the cached prefix (speculative decoding's verify step);
+    - ``route_hits``: ``route_hits()`` counts, in process, which route each op call took.
+
+    ``reasons`` says, per missing capability, why the engine cannot offer it.
+    """
+
+    prefill_timing: bool = True
+    first_token_hash: bool = True
+    verify_logits: bool = True
+    route_hits: bool = True
+    reasons: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.reasons) - set(CAPABILITIES)
+        if unknown:
+            raise ValueError(f"reasons name unknown capabilities {sorted(unknown)}; known: "
+                             f"{', '.join(CAPABILITIES)}")
+        object.__setattr__(self, "reasons", MappingProxyType(dict(self.reasons)))
+
+    def offers(self, name: str) -> bool:
+        if name not in CAPABILITIES:
+            raise ValueError(f"unknown engine capability {name!r}; known: "
+                             f"{', '.join(CAPABILITIES)}")
+        return bool(getattr(self, name))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**{name: self.offers(name) for name in CAPABILITIES},
+                "reasons": dict(self.reasons)}
+
+
+# An engine that declares nothing is an in-process engine of the original protocol.
+IN_PROCESS = Capabilities()
+
+
+def capabilities_of(engine: Any) -> Capabilities:
+    caps = getattr(engine, "capabilities", None)
+    if caps is None:
+        return IN_PROCESS
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"{engine!r}.capabilities must be a pytest_dflash.engines.Capabilities, "
+                        f"got {type(caps).__name__}")
+    return caps
+
+
+def missing(engines: Iterable[Any], needed: Iterable[str]) -> str | None:
+    """None if every engine offers every needed capability, else the reason a gate stays
+    pending, naming the engine, the capability and why it is missing."""
+    needed = list(needed)
+    problems = []
+    for engine in engines:
+        caps = capabilities_of(engine)
+        for name in needed:
+            if not caps.offers(name):
+                why = caps.reasons.get(name, "not offered")
+                problems.append(f"{name} ({why})")
+        if problems:
+            return f"engine {engine!r} does not offer " + "; ".join(problems)
+    return None
 
 
 @dataclass
 class PrefillResult:
     first_token: int
-    first_token_hash: str  # sha256 of the first token's logits bytes (same route, same hash)
+    first_token_hash: str  # sha256 of the first token's logits bytes ("" without the capability)
     prompt_tokens: int
     seconds: float
-    chunks: int
+    chunks: int | None  # prefill chunks run (None when the engine cannot tell)
 
 
 @dataclass
@@ -48,7 +133,8 @@ class Engine(Protocol):
     def generate(
         self, prompt: str, max_new_tokens: int, stop: list[str] | None = None,
         sampling: Sampling | None = None,
-    ) -> Generation: ...
+    ) -> Generation:
+        """Complete ``prompt`` (text; the engine adds its BOS itself, as a server does)."""
 
     def verify(self, draft_ids: list[int]) -> Any:
         """Logits [M, vocab] for M = len(draft_ids) <= 8 rows on top of the cached prefix."""
@@ -57,4 +143,15 @@ class Engine(Protocol):
 
     def route_hits(self) -> dict[str, int]: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the model's BOS (if it has one)
+        in front, exactly as the engine itself would prefix a prompt. Gates never build BOS
+        ids by hand: tokenizers differ."""
+
+
+def close(engine: Any) -> None:
+    """Release what an engine holds (a server process, a connection); engines without a
+    ``close`` hold nothing that outlives them."""
+    closer = getattr(engine, "close", None)
+    if callable(closer):
+        closer()

@@ -8,7 +8,9 @@ amount of work on every run.
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +40,73 @@ def sizes(profile: str) -> Sizes:
     return SIZES[profile]
 
 
-def data_dir() -> Path:
+PPL_FILE = "ppl_segments.jsonl"
+TASKS_FILE = "coding_tasks.jsonl"
+# the keys each row must have (string values, non-empty): the schema of the shipped files
+SCHEMA: dict[str, tuple[str, ...]] = {PPL_FILE: ("id", "text"),
+                                      TASKS_FILE: ("task_id", "prompt", "test")}
+
+
+class DataError(ValueError):
+    """A data override that is missing or does not follow the shipped JSONL schema."""
+
+
+def data_dir(override: str | Path | None = None) -> Path:
+    """The held-out data: ``override`` (``--dflash-data DIR``) if given, else the shipped."""
+    if override is not None:
+        return check_data_dir(override)
     import dflash_fixtures
 
     return Path(dflash_fixtures.__file__).resolve().parent / "data"
+
+
+def check_data_dir(directory: str | Path) -> Path:
+    """``directory`` must exist and hold at least one of the data files, each valid JSONL of
+    the shipped schema; the error names the file, the line and the fix."""
+    path = Path(directory).expanduser().resolve()
+    if not path.is_dir():
+        raise DataError(f"--dflash-data {directory}: no such directory")
+    present = [name for name in SCHEMA if (path / name).is_file()]
+    if not present:
+        raise DataError(f"--dflash-data {directory}: holds neither {PPL_FILE} nor {TASKS_FILE};"
+                        f" put one JSONL row per segment or task there (schema: "
+                        f"{PPL_FILE} {SCHEMA[PPL_FILE]}, {TASKS_FILE} {SCHEMA[TASKS_FILE]})")
+    for name in present:
+        validate_jsonl(path / name, SCHEMA[name])
+    return path
+
+
+def validate_jsonl(path: Path, keys: tuple[str, ...]) -> int:
+    """Row count of ``path`` after checking every line is a JSON object with ``keys`` as
+    non-empty strings (and unique first keys: ids name the rows in the report)."""
+    seen: set[str] = set()
+    rows = 0
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: not JSON ({exc.msg}); each line must be one JSON "
+                                f"object with keys {', '.join(keys)}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: a JSON {type(row).__name__}, expected an object with"
+                                f" keys {', '.join(keys)}")
+            for key in keys:
+                value = row.get(key)
+                if not isinstance(value, str) or not value:
+                    raise DataError(f"{where}: key {key!r} must be a non-empty string, got "
+                                    f"{value!r:.60}; rows need {', '.join(keys)}")
+            if row[keys[0]] in seen:
+                raise DataError(f"{where}: {keys[0]} {row[keys[0]]!r} appears twice; ids must "
+                                "be unique")
+            seen.add(row[keys[0]])
+            rows += 1
+    if rows == 0:
+        raise DataError(f"{path}: no rows; put one JSON object per line")
+    return rows
 
 
 def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -59,29 +124,46 @@ def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [dict(row) for row in ds]
 
 
-def ppl_segments(profile: str) -> list[dict[str, Any]]:
+def _rows(name: str, count: int, directory: str | Path | None) -> list[dict[str, Any]]:
+    base = data_dir(directory)
+    if directory is not None and not (base / name).is_file():
+        raise DataError(f"--dflash-data {directory}: has no {name}, which this gate needs "
+                        f"(rows with keys {', '.join(SCHEMA[name])})")
+    return load_jsonl(base / name)[:count]
+
+
+def ppl_segments(profile: str, directory: str | Path | None = None) -> list[dict[str, Any]]:
     """The profile's held-out segments, each cut to its byte budget at a character boundary."""
     size = sizes(profile)
-    rows = load_jsonl(data_dir() / "ppl_segments.jsonl")[: size.ppl_segments]
     out = []
-    for row in rows:
+    for row in _rows(PPL_FILE, size.ppl_segments, directory):
         text = row["text"].encode("utf-8")[: size.ppl_bytes].decode("utf-8", errors="ignore")
         out.append({**row, "text": text})
     return out
 
 
-def coding_tasks(profile: str) -> list[dict[str, Any]]:
-    return load_jsonl(data_dir() / "coding_tasks.jsonl")[: sizes(profile).quality_tasks]
+def coding_tasks(profile: str, directory: str | Path | None = None) -> list[dict[str, Any]]:
+    return _rows(TASKS_FILE, sizes(profile).quality_tasks, directory)
 
 
-def prompt_ids(length: int) -> list[int]:
-    """A deterministic BOS-prefixed prompt of exactly ``length`` tokens (held-out source text,
-    repeated as needed), so every route prefills the very same tokens."""
-    from pytest_dflash.engines.tokenizer import BOS, encode
+def prompt_ids(length: int, encode: Callable[..., list[int]] | None = None,
+               directory: str | Path | None = None) -> list[int]:
+    """A deterministic prompt of exactly ``length`` tokens: the engine's BOS (``encode(text,
+    add_special_tokens=True)``) then held-out source text, repeated as needed, so every route
+    prefills the very same tokens. Without ``encode``: the reference model's tokenizer."""
+    if encode is None:
+        from pytest_dflash.engines.tokenizer import encode as byte_encode
 
-    text = "".join(row["text"] for row in load_jsonl(data_dir() / "ppl_segments.jsonl"))
+        def encode(text: str, add_special_tokens: bool = False) -> list[int]:
+            return byte_encode(text, bos=add_special_tokens)
+
+    text = "".join(row["text"] for row in load_jsonl(data_dir(directory) / PPL_FILE))
+    ids = encode(text, add_special_tokens=True)
     body = encode(text)
-    ids = [BOS]
-    while len(ids) < length:
-        ids += body[: length - len(ids)]
-    return ids
+    head = ids[: len(ids) - len(body)]  # what the tokenizer puts in front (BOS), maybe nothing
+    if not body:
+        raise DataError("the held-out text encodes to no tokens")
+    out = list(head)
+    while len(out) < length:
+        out += body[: length - len(out)]
+    return out[:length]

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pytest_dflash import hits
-from pytest_dflash.engines import Generation, PrefillResult, Sampling
+from pytest_dflash.engines import IN_PROCESS, Generation, PrefillResult, Sampling
 from pytest_dflash.engines.geometry import KV_BLOCK_SIZE, Geometry
 from pytest_dflash.engines.model import (
     ModelConfig,
@@ -144,6 +144,8 @@ class _State:
 
 class ReferenceEngine:
     """The reference engine: see the module docstring. Build it with :func:`build`."""
+
+    capabilities = IN_PROCESS  # in process: full logits, verify steps, route hits, timing
 
     def __init__(self, selection: Mapping[str, str], profile: str, device: str | torch.device,
                  registry: Any = None, model_dir: str | Path | None = None) -> None:
@@ -285,8 +287,9 @@ class ReferenceEngine:
         finally:
             self._depth -= 1
 
-    def encode(self, text: str) -> list[int]:
-        return encode(text)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """UTF-8 bytes of ``text``; with ``add_special_tokens`` the BOS the model prefixes."""
+        return encode(text, bos=add_special_tokens)
 
     def _check_ids(self, token_ids: list[int], what: str) -> list[int]:
         ids = [int(t) for t in token_ids]
@@ -317,6 +320,13 @@ class ReferenceEngine:
 
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token i+1 | tokens 0..i) for every i, from a fresh state (no prefix cache)."""
+        return self.score_top(token_ids, 0)[0]
+
+    def score_top(self, token_ids: list[int], top_k: int) -> tuple[
+            list[float], list[int], list[dict[int, float]]]:
+        """:meth:`score`, the rank of each scored token (1 = most likely) and, per position,
+        the ``top_k`` most likely next tokens with their log-probs: what a server returns as
+        prompt log-probs."""
         ids = self._check_ids(token_ids, "score")
         if len(ids) < 2:
             raise EngineError("score needs at least two token ids (e.g. BOS and one byte)")
@@ -324,10 +334,25 @@ class ReferenceEngine:
             outs, _ = self._run_chunks(self._fresh(), ids, all_logits=True)
             logp = torch.log_softmax(torch.cat(outs)[:-1].float(), dim=-1)
             target = torch.tensor(ids[1:], device=logp.device)
-            return logp.gather(1, target[:, None])[:, 0].cpu().tolist()
+            chosen = logp.gather(1, target[:, None])
+            if top_k <= 0:
+                return chosen[:, 0].cpu().tolist(), [], []
+            ranks = ((logp > chosen).sum(dim=1) + 1).cpu().tolist()
+            values, index = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+            top = [dict(zip(i, v, strict=True)) for i, v in
+                   zip(index.cpu().tolist(), values.cpu().tolist(), strict=True)]
+            return chosen[:, 0].cpu().tolist(), ranks, top
 
     def generate(self, prompt: str, max_new_tokens: int, stop: list[str] | None = None,
                  sampling: Sampling | None = None) -> Generation:
+        """Complete the text ``prompt``, BOS-prefixed as the model was trained."""
+        return self.generate_ids([BOS, *encode(prompt)], max_new_tokens, stop, sampling)
+
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int,
+                     stop: list[str] | None = None,
+                     sampling: Sampling | None = None) -> Generation:
+        """Complete a prompt given as token ids (used as given: no BOS is added)."""
+        ids = self._check_ids(prompt_ids, "generate")
         if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampling = sampling or Sampling()
@@ -337,7 +362,7 @@ class ReferenceEngine:
         stop = [s for s in (stop or []) if s]
         gen = torch.Generator().manual_seed(sampling.seed)
         with self._tracked():
-            self.prefill([BOS, *encode(prompt)])
+            self.prefill(ids)
             state = self._current.clone()
             out: list[int] = []
             while True:

@@ -1,0 +1,201 @@
+"""The server engine against a real ``pytest-dflash serve`` process on a loopback port.
+
+Every server here is a real subprocess started by :class:`ServerPool` from a ``{port}``
+command, exactly as ``--dflash-serve`` starts one; what it answers is compared with the
+in-process reference engine of the same selection and profile.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import textwrap
+
+import pytest
+
+from pytest_dflash.engines import EngineUnsupported, Sampling, missing
+from pytest_dflash.engines import reference as ref
+from pytest_dflash.engines.openai_server import (
+    ServerError,
+    ServerPool,
+    apply_stops,
+    group_members,
+    server_env,
+    switches_for,
+)
+from pytest_dflash.registry import Route, RouteRegistry
+from pytest_dflash.shipped import SHIPPED_ROUTES
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+SERVE = f"{sys.executable} -m pytest_dflash.cli serve --port {{port}} --profile quick"
+FP16 = "prefill.geometry.fp16_q7920"
+TEXT = 'def scale(xs, k):\n    """Multiply every item by k."""\n    return [x * k for x in xs]\n'
+
+
+def shipped_registry() -> RouteRegistry:
+    registry = RouteRegistry()
+    for route in SHIPPED_ROUTES:
+        registry.register(route)
+    return registry
+
+
+def gone(pid: int) -> bool:
+    """No live process left in the server's process group (zombies reaped or not)."""
+    return not group_members(pid)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    pool = ServerPool(shipped_registry(), command=SERVE, profile="quick",
+                      startup_timeout_s=180, request_timeout_s=300,
+                      log_dir=tmp_path_factory.mktemp("server-logs"))
+    yield pool
+    pool.close()
+    assert all(gone(entry["pid"]) for entry in pool.history)
+
+
+@pytest.fixture(scope="module")
+def local():
+    return ref.build({}, "quick")
+
+
+def test_stop_strings_cut_where_a_decoder_would_stop():
+    assert apply_stops("ab\ndef f", ["\ndef "]) == ("ab", True)
+    assert apply_stops("no stop here", ["\ndef ", "\n#"]) == ("no stop here", False)
+    # "c" completes before "abcd" does: a decoder checking after each character stops there
+    assert apply_stops("abcd", ["abcd", "c"]) == ("ab", True)
+    assert apply_stops("x\n#y\ndef z", ["\ndef ", "\n#"]) == ("x", True)
+
+
+def test_server_environment_carries_exactly_the_selection_switches():
+    registry = shipped_registry()
+    leak = {"DFLASH_PREFILL_GEOMETRY_FP32_Q6592": "1", "KEEP": "me"}
+    env = server_env(registry.engine_selection([FP16]), registry, leak, profile="quick")
+    assert env["DFLASH_PREFILL_GEOMETRY_FP16_Q7920"] == "1"
+    assert "DFLASH_PREFILL_GEOMETRY_FP32_Q6592" not in env, "a caller's switch leaked in"
+    assert env["KEEP"] == "me" and env["DFLASH_ROUTES"] == FP16
+    assert switches_for(registry.engine_selection(), registry) == {}
+
+
+def test_encode_and_score_match_the_in_process_engine(pool, local):
+    registry = pool.registry
+    server = pool.engine(registry.engine_selection())
+    assert server.encode(TEXT) == local.encode(TEXT)
+    ids = server.encode(TEXT, add_special_tokens=True)
+    assert ids == local.encode(TEXT, add_special_tokens=True) and ids[0] != ids[1]
+    got, want = server.score(ids), local.score(ids)
+    assert len(got) == len(want) == len(ids) - 1
+    ppl_got = math.exp(-sum(got) / len(got))
+    ppl_want = math.exp(-sum(want) / len(want))
+    assert abs(ppl_got - ppl_want) <= 1e-6 * ppl_want
+    assert server.route_proof()["switches"] == {}
+
+
+def test_generate_matches_in_process_with_stops_beyond_the_api_limit(pool, local):
+    from dflash_fixtures.tasks import STOP
+    from pytest_dflash.engines.data import coding_tasks
+
+    assert len(STOP) > 4, "this test needs more stop strings than the API takes"
+    server = pool.engine(pool.registry.engine_selection())
+    for task in coding_tasks("quick")[:1]:
+        got = server.generate(task["prompt"], 64, STOP, Sampling())
+        want = local.generate(task["prompt"], 64, STOP, Sampling())
+        assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
+        assert got.token_ids[: len(local.encode(got.text))] == local.encode(got.text)
+
+
+def test_prefill_times_the_first_token_and_verify_is_declared_missing(pool, local):
+    server = pool.engine(pool.registry.engine_selection())
+    ids = local.encode(TEXT, add_special_tokens=True)
+    result = server.prefill(ids)
+    assert result.first_token == local.prefill(ids).first_token
+    assert result.seconds > 0 and result.prompt_tokens == len(ids)
+    with pytest.raises(EngineUnsupported, match="verify"):
+        server.verify(ids[:3])
+    reason = missing([server], ["verify_logits"])
+    assert reason and "verify_logits" in reason and "draft rows" in reason
+    assert missing([local], ["verify_logits", "route_hits", "first_token_hash"]) is None
+
+
+def test_one_server_per_selection_never_two_at_once(pool, local):
+    registry = pool.registry
+    base = pool.engine(registry.engine_selection())
+    cand = pool.engine(registry.engine_selection([FP16]))
+    base.encode("x")
+    first = pool.process.pid
+    ids = local.encode(TEXT, add_special_tokens=True)
+    got = cand.score(ids)  # starts the candidate's server, stopping the baseline's first
+    assert gone(first), "the baseline's server still runs next to the candidate's"
+    assert cand.server_info["dflash"]["selection"][FP16.rsplit(".", 1)[0]] == FP16
+    assert cand.route_proof()["switches"] == {"DFLASH_PREFILL_GEOMETRY_FP16_Q7920": "1"}
+    assert cand.route_hits().get(FP16, 0) > 0, "the server's own counters show the route ran"
+    want = ref.build(registry.engine_selection([FP16]), "quick").score(ids)
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5
+    base.encode("x")  # and back: the candidate's server is stopped again
+    assert len(pool.history) >= 3 and gone(pool.history[-2]["pid"])
+
+
+def test_a_server_that_exits_is_a_clear_error(tmp_path):
+    pool = ServerPool(shipped_registry(), command="sh -c 'echo port {port} taken; exit 3'",
+                      startup_timeout_s=30, log_dir=tmp_path)
+    with pytest.raises(ServerError) as info:
+        pool.engine({}).encode("x")
+    message = str(info.value)
+    assert "exited before it became healthy" in message and "exit status 3" in message
+    assert "echo port" in message and "taken" in message.split("tail:")[1]
+    assert gone(pool.history[0]["pid"])
+    pool.close()
+
+
+def test_a_server_that_never_becomes_healthy_is_stopped_and_named(tmp_path):
+    pool = ServerPool(shipped_registry(), command="sh -c 'echo starting {port}; sleep 120'",
+                      startup_timeout_s=1.5, log_dir=tmp_path)
+    with pytest.raises(ServerError, match=r"did not become healthy within 1.5 s.*still running"):
+        pool.engine({}).encode("x")
+    pid = pool.history[0]["pid"]
+    pool.close()
+    assert gone(pid), "the hanging server's process group outlived the pool"
+
+
+HANGS = textwrap.dedent("""
+    import http.server, json, sys, time
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "m"}]}).encode()
+            self.send_response(200); self.send_header("Content-Length", str(len(body)))
+            self.end_headers(); self.wfile.write(body)
+
+        def do_POST(self):
+            time.sleep(60)
+
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def test_a_server_that_hangs_on_a_request_is_a_clear_error(tmp_path):
+    script = tmp_path / "hangs.py"
+    script.write_text(HANGS)
+    pool = ServerPool(shipped_registry(), command=f"{sys.executable} {script} {{port}}",
+                      startup_timeout_s=60, request_timeout_s=1.0, log_dir=tmp_path)
+    with pytest.raises(ServerError, match=r"did not answer POST /tokenize within 1 s"):
+        pool.engine({}).encode("x")
+    pid = pool.history[0]["pid"]
+    pool.close()
+    assert gone(pid)
+
+
+def test_a_switch_the_server_does_not_know_stops_it_at_startup(tmp_path):
+    registry = shipped_registry()
+    registry.register(Route("prefill.geometry.theirs", "prefill.geometry", "candidate",
+                            baseline="prefill.geometry.fp32_q3296", gates=("ppl",),
+                            impl="pytest_dflash.engines.geometry:FP32_Q6592"))
+    pool = ServerPool(registry, command=SERVE, startup_timeout_s=120, log_dir=tmp_path)
+    with pytest.raises(ServerError) as info:
+        pool.engine(registry.engine_selection(["prefill.geometry.theirs"])).encode("x")
+    message = str(info.value)
+    assert "exit status 2" in message and "prefill.geometry.theirs" in message
+    assert "--plugin" in message
+    pool.close()
