@@ -1,0 +1,78 @@
+"""The engines of one pytest session: built from the session's route registry, cached per
+selection, closed when the session ends.
+
+Engines are always built from the *session's* registry, so routes registered by an outside
+plugin or conftest reach the model-level gates exactly like the shipped ones. Which engine is
+built depends on the options: the in-process reference engine by default, a server engine when
+``--dflash-serve`` or ``--dflash-engine-url`` is given (``openai_server``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pytest_dflash.engines import close as close_engine
+
+
+class EngineFactory:
+    """Builds and owns the session's engines (see the module docstring)."""
+
+    def __init__(self, registry: Any, profile: str, device: str, *, serve: str | None = None,
+                 urls: Mapping[str, str] | None = None, startup_timeout_s: float = 600.0,
+                 request_timeout_s: float = 600.0, log_dir: Path | None = None) -> None:
+        self.registry, self.profile, self.device = registry, profile, device
+        self.pool = None
+        if serve or urls:
+            from pytest_dflash.engines.openai_server import ServerPool
+
+            self.pool = ServerPool(registry, command=serve or None, urls=urls or None,
+                                   profile=profile, device=device,
+                                   startup_timeout_s=startup_timeout_s,
+                                   request_timeout_s=request_timeout_s, log_dir=log_dir)
+        self.engines: list[Any] = []
+
+    @property
+    def kind(self) -> str:
+        if self.pool is None:
+            return "reference"
+        return "server (--dflash-serve)" if self.pool.command else "server (--dflash-engine-url)"
+
+    def build(self, selection: Mapping[str, str]) -> Any:
+        """The default engine for ``selection`` (family -> route; missing families: baselines)."""
+        full = {**self.registry.engine_selection(), **dict(selection)}
+        if self.pool is not None:
+            engine = self.pool.engine(full)
+        else:
+            from pytest_dflash.engines import reference
+
+            engine = reference.build(full, self.profile, device=self.device,
+                                     registry=self.registry)
+        self.engines.append(engine)
+        return engine
+
+    def adopt(self, engine: Any) -> Any:
+        """Take an engine another hook implementation built, so it is closed with the rest."""
+        if engine not in self.engines:
+            self.engines.append(engine)
+        return engine
+
+    def servers(self) -> list[dict[str, Any]]:
+        """Every server this session started (selection, switches, command, pid, exit status):
+        the route proof of a served engine."""
+        return list(self.pool.history) if self.pool is not None else []
+
+    def close(self) -> None:
+        """Close every engine and stop every server; safe to call twice."""
+        errors = []
+        for engine in self.engines:
+            try:
+                close_engine(engine)
+            except Exception as exc:  # one engine's failure must not keep a server running
+                errors.append(f"{engine!r}: {exc}")
+        self.engines.clear()
+        if self.pool is not None:
+            self.pool.close()
+        if errors:
+            raise RuntimeError("closing engines failed: " + "; ".join(errors))
