@@ -283,7 +283,7 @@ class _Launcher:
     """The command chain that wraps the interpreter, as probed on this machine."""
 
     jail: str  # the file-system jail that holds: "bwrap", "chroot", or "" for none
-    prefix: tuple[str, ...]  # bwrap with its fixed arguments, or the unshare chain
+    prefix: tuple[str, ...]  # bwrap and its fixed arguments; (unshare, chroot, *view); or unshare
     drop: tuple[str, ...]  # e.g. ("/usr/bin/setpriv", "--reuid=65534", ..., "--")
     uid: int | None  # the unprivileged user the child runs as; None when it keeps the parent's
     mount_ns: bool = False  # unjailed path: read-only host file systems via a mount namespace
@@ -291,7 +291,8 @@ class _Launcher:
     isolation: tuple[str, ...] = ()
 
     def argv(self, root: Path, disk_bytes: int) -> tuple[list[str], Path]:
-        """(command before the interpreter, working directory as the program sees it)."""
+        """(command before the interpreter, working directory as the program sees it); the
+        chroot jail's mount point is made under ``root`` here."""
         if self.jail == "bwrap":
             jail = [*self.prefix, "--size", str(disk_bytes), "--perms", "1777", "--tmpfs", "/tmp",
                     "--perms", "0777", "--dir", JAIL_WORKDIR,
