@@ -180,8 +180,9 @@ def test_cpu_limit_kills_busy_loop():
     ],
     ids=["one-block", "growing"],
 )
-def test_memory_bomb_is_contained(program):
+def test_memory_bomb_is_contained(program, canary):
     result = run(program, memory_mb=128)
+    canary.untouched(result)
     assert result.status in ("failed", "killed") and not result.passed
     assert "MemoryError" in result.stderr_tail or result.status == "killed"
     assert run("print('next')").passed
