@@ -37,11 +37,12 @@ subnormal (6e-8), stay representable; the bias is removed in fp32 after the matm
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from dflash_kernels.nvfp4 import GROUP_K, NVFP4Weight, validate
+from dflash_kernels.nvfp4 import E2M1_MAX, GROUP_K, NVFP4Weight, validate
 
 TILE_N = 32
 K_MULTIPLE = 64
@@ -63,7 +64,8 @@ class QPNWeight:
     global_scale: float
     n: int
     k: int
-    _fp16_cache: dict[str, Tensor | None] = field(default_factory=dict, repr=False)
+    # per-weight memo: the fp16 scales, and each route's op arguments (built once, in prepare)
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
     def n_padded(self) -> int:
@@ -98,26 +100,30 @@ class QPNWeight:
     def scales_fp16_prescaled(self) -> Tensor:
         """fp16 ``[T, G, 32]`` = ``e4m3 * global * 2^14``, computed in fp32 and cached.
 
-        Raises ValueError when a product overflows fp16 (weights with amax > about 24): such
-        weights must use the raw E4M3 form (:meth:`fp16_prescaled_or_none` picks it).
+        Raises ValueError when a product, or the largest value it dequantizes (6 x product),
+        overflows fp16 (weights with amax > 4): such weights must use the raw E4M3 form
+        (:meth:`fp16_prescaled_or_none` picks it).
         """
         scales = self.fp16_prescaled_or_none()
         if scales is None:
             raise ValueError(
-                f"fp16 pre-scaled scales overflow: max e4m3 * global * 2^14 exceeds {_FP16_MAX} "
-                f"(global_scale = {self.global_scale:g}, i.e. weight amax > "
-                f"{_FP16_MAX / FP16_SCALE_BIAS * 6:.0f}); use the raw E4M3 form (scales_e4m3) "
+                f"fp16 pre-scaled scales overflow: max 6 * e4m3 * global * 2^14 exceeds "
+                f"{_FP16_MAX} (global_scale = {self.global_scale:g}, i.e. weight amax > "
+                f"{_FP16_MAX / FP16_SCALE_BIAS:.0f}); use the raw E4M3 form (scales_e4m3) "
                 "and apply the global scale in fp32"
             )
         return scales
 
     def fp16_prescaled_or_none(self) -> Tensor | None:
-        """The fp16 pre-scaled scales, or None when they would overflow fp16."""
-        if "fp16" not in self._fp16_cache:
+        """The fp16 pre-scaled scales, or None when they (or 6 x them) would overflow fp16."""
+        if "fp16" not in self._cache:
             product = self.scales_e4m3().float() * (self.global_scale * FP16_SCALE_BIAS)
-            ok = bool(torch.isfinite(product).all()) and float(product.max()) <= _FP16_MAX
-            self._fp16_cache["fp16"] = product.half() if ok else None
-        return self._fp16_cache["fp16"]
+            # the largest dequantized value, 6 x scale, must fit too: the CUDA large-M path
+            # holds e2m1 x scale in an fp16 workspace
+            ok = (bool(torch.isfinite(product).all())
+                  and float(product.max()) * E2M1_MAX <= _FP16_MAX)
+            self._cache["fp16"] = product.half() if ok else None
+        return self._cache["fp16"]
 
 
 def tile_view(view: Tensor, tiles: int, groups: int) -> Tensor:

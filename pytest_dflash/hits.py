@@ -1,18 +1,23 @@
 """Route hit counters: every op wrapper records which route and path served each call.
 
 Gates assert on these counts to prove what really ran: a silent fallback shows up as hits on
-the fallback route instead of the candidate.
+the fallback route instead of the candidate. Native ops count their own hits (no Python on their
+call path); a *source* registered with :func:`add_source` reports those counters, and every
+snapshot includes them.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 _lock = threading.Lock()
 _hits: Counter[tuple[str, str]] = Counter()
+# monotonic counters kept elsewhere (a native library), and their values at the last reset
+_sources: list[Callable[[], dict[tuple[str, str], int]]] = []
+_source_offsets: Counter[tuple[str, str]] = Counter()
 
 
 def record(route: str, op: str, count: int = 1) -> None:
@@ -21,14 +26,35 @@ def record(route: str, op: str, count: int = 1) -> None:
         _hits[(route, op)] += count
 
 
+def add_source(read: Callable[[], dict[tuple[str, str], int]]) -> None:
+    """Include ``read()`` (monotonic counts per (route, op)) in every snapshot from now on."""
+    with _lock:
+        if read not in _sources:
+            _sources.append(read)
+            _source_offsets.update(read())  # counts before registration are not this session's
+
+
+def _source_counts() -> Counter[tuple[str, str]]:
+    total: Counter[tuple[str, str]] = Counter()
+    for read in _sources:
+        total.update(read())
+    return total
+
+
 def snapshot() -> dict[tuple[str, str], int]:
     with _lock:
-        return dict(_hits)
+        merged = Counter(_hits)
+        for key, n in _source_counts().items():
+            if n - _source_offsets.get(key, 0):
+                merged[key] += n - _source_offsets.get(key, 0)
+        return dict(merged)
 
 
 def reset() -> None:
     with _lock:
         _hits.clear()
+        _source_offsets.clear()
+        _source_offsets.update(_source_counts())
 
 
 class HitDelta:
