@@ -108,7 +108,7 @@ def require(device: torch.device | str) -> Any:
 def read_hits() -> dict[tuple[str, str], int]:
     """The native hit counters (monotonic, per process) keyed like ``pytest_dflash.hits``."""
     counts = getattr(torch.ops, NAMESPACE).hit_counts().tolist()
-    return {key: int(n) for key, n in zip(HIT_KEYS, counts) if n}
+    return {key: int(n) for key, n in zip(HIT_KEYS, counts, strict=True) if n}
 
 
 def set_poison(on: bool) -> None:
@@ -175,8 +175,9 @@ class Workspace:
         weakref.finalize(self, _release, self.id)
 
     def set_bound(self, bound_bytes: int) -> None:
-        """Change the bound; a storage above the new bound is dropped at its next use."""
+        """Change the bound; a storage above the new bound is dropped now."""
         self.bound_bytes = check_bound(bound_bytes)
+        ops().workspace_trim(self.id, self.bound_bytes)
 
     @property
     def peak_bytes(self) -> int:

@@ -121,30 +121,49 @@ def test_min_prefill_m_must_exceed_the_verify_width() -> None:
     with pytest.raises(ValueError, match="min_prefill_m > 8"):
         QPN2PackedRoute(min_prefill_m=MAX_VERIFY_M)
     w = QPN2_PACKED.prepare(_weight())
+    ws = shared_workspace("cpu").id
     with pytest.raises(ValueError, match="min_prefill_m > 8"):  # the op itself checks too
-        torch.ops.dflash_gemm.qpn2_packed_linear(
-            _x(4), w.buffer, w.scales, None, w.global_scale, w.n, w.k, 4, 2**20, False)
+        torch.ops.dflash_qpn.qpn2_packed_linear(
+            _x(4), w.buffer, w.scales, None, w.global_scale, w.n, w.k, 4, ws, 2**20, False)
     assert QPN2PackedRoute(min_prefill_m=9).min_prefill_m == 9
 
 
 def test_dispatch_branch_is_inside_the_registered_op() -> None:
     w = QPN2_PACKED.prepare(_weight())
-    with hits.counting() as delta:
-        out = torch.ops.dflash_gemm.qpn2_packed_linear(
-            _x(40), w.buffer, w.scales, None, w.global_scale, w.n, w.k, 33, 2**24, True)
-    assert out.shape == (40, 45)
-    assert delta.counts[("gemm.nvfp4.qpn2_packed", "large_m")] == 1
+    ws = shared_workspace("cpu").id
+    for m, path, kernel in ((40, "large_m", "qpn4_bounded"), (32, "small_m", "qpn2")):
+        with hits.counting() as delta:
+            out = torch.ops.dflash_qpn.qpn2_packed_linear(
+                _x(m), w.buffer, w.scales, None, w.global_scale, w.n, w.k, 33, ws, 2**24, True)
+        assert out.shape == (m, 45)
+        assert delta.counts == {("gemm.nvfp4.qpn2_packed", path): 1,
+                                (f"gemm.nvfp4.{kernel}", path): 1}
+
+
+def test_op_registrations_are_cpp_kernels() -> None:
+    """No Python between the dispatcher and the kernel: the CPU kernel of every QPN op is
+    registered by the C++ source, as the dispatcher's own table says."""
+    QPN2.prepare(_weight())  # loads the library
+    for op in ("qpn2_linear", "qpn4_bounded_linear", "qpn2_packed_linear"):
+        table = torch._C._dispatch_dump(f"dflash_qpn::{op}")
+        cpu = next(line for line in table.splitlines() if line.startswith("CPU:"))
+        assert "qpn_gemm.cpp" in cpu, table
 
 
 def test_op_registrations_pass_opcheck() -> None:
     w = QPN2_PACKED.prepare(_weight())
+    ops = torch.ops.dflash_qpn
+    ws = shared_workspace("cpu").id
     checks = ("test_schema", "test_faketensor")
     for m in (3, 40):
-        args = (_x(m), w.buffer, w.scales, None, w.global_scale, w.n, w.k, 33, 2**24, False)
-        torch.library.opcheck(torch.ops.dflash_gemm.qpn2_packed_linear.default, args,
-                              test_utils=checks)
+        for scales_fp16 in (None, w.fp16_prescaled_or_none()):
+            args = (_x(m, dtype=torch.float16), w.buffer, w.scales, scales_fp16, w.global_scale,
+                    w.n, w.k, 33, ws, 2**24, False)
+            torch.library.opcheck(ops.qpn2_packed_linear.default, args, test_utils=checks)
+    args = (_x(40), w.buffer, w.scales, None, w.global_scale, w.n, w.k, ws, 2**24, True)
+    torch.library.opcheck(ops.qpn4_bounded_linear.default, args, test_utils=checks)
     args = (_x(5), w.buffer, w.scales, w.global_scale, w.n, w.k, True)
-    torch.library.opcheck(torch.ops.dflash_gemm.qpn2_linear.default, args, test_utils=checks)
+    torch.library.opcheck(ops.qpn2_linear.default, args, test_utils=checks)
 
 
 def test_broken_dispatch_fails_the_validation_cost_gate() -> None:
@@ -231,13 +250,13 @@ def test_outside_routes_must_offer_the_contract() -> None:
     assert as_gemm_route(QPN2, QPN2.name) is QPN2
 
 
-def test_poisoned_buffers_are_nan_and_fully_overwritten_by_the_kernels() -> None:
+def test_poisoned_buffers_reach_the_native_kernels_which_overwrite_them() -> None:
     w = _weight()
     x = _x(40)
     expected = {r.name: r.linear(x, r.prepare(w)) for r in (QPN2, QPN4_BOUNDED, QPN2_PACKED)}
     with gemm.poisoned_buffers():
-        assert torch.isnan(gemm._poisoned(torch.zeros(3))).all()
+        assert torch.ops.dflash_qpn.set_poison(True) is True  # the library's flag is on
         for route in (QPN2, QPN4_BOUNDED, QPN2_PACKED):
             got = route.linear(x, route.prepare(w))
             assert_bitwise_equal(got, expected[route.name], f"{route.name} poisoned")
-    assert not torch.isnan(gemm._poisoned(torch.zeros(3))).any()
+    assert torch.ops.dflash_qpn.set_poison(False) is False  # and off again after the block

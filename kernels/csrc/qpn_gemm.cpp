@@ -18,8 +18,9 @@
 //                      workspace_id, workspace_bytes, gated)
 //       the dispatch op: M >= min_prefill_m runs qpn4_bounded's very function, smaller M the
 //       qpn2 one, so type-A parity holds by construction; the branch costs one comparison.
-//   hit_counts() -> int64 [4]; set_poison(bool); set_dispatch_checked(bool);
-//   workspace_peak(id) -> int; workspace_reset_peak(id); workspace_release(id)
+//   hit_counts() -> int64 [4]; set_poison(bool) -> previous; set_dispatch_checked(bool);
+//   workspace_peak(id) -> int; workspace_reset_peak(id); workspace_trim(id, bound);
+//   workspace_release(id)
 //
 // Vector code uses GCC/Clang vector extensions, compiled twice on x86 (baseline SSE2 and
 // AVX2+FMA, chosen at run time; $DFLASH_QPN_DISABLE_AVX2 forces the baseline), because the
@@ -180,7 +181,7 @@ at::Tensor hit_counts() {
   return out;
 }
 
-void set_poison(bool on) { g_poison.store(on); }
+bool set_poison(bool on) { return g_poison.exchange(on); }
 
 void set_dispatch_checked(bool on) { g_dispatch_checked.store(on); }
 
@@ -194,6 +195,12 @@ void workspace_reset_peak(int64_t id) {
   Slot& s = slot(id);
   std::lock_guard<std::mutex> guard(s.mutex);
   s.peak = s.storage.defined() ? s.storage.numel() : 0;
+}
+
+void workspace_trim(int64_t id, int64_t bound) {
+  Slot& s = slot(id);
+  std::lock_guard<std::mutex> guard(s.mutex);
+  if (s.storage.defined() && s.storage.numel() > bound) s.storage = at::Tensor();
 }
 
 void workspace_release(int64_t id) {
@@ -570,10 +577,11 @@ TORCH_LIBRARY(dflash_qpn, m) {
         "float global_scale, int n, int k, int min_prefill_m, int workspace_id, "
         "int workspace_bytes, bool gated) -> Tensor");
   m.def("hit_counts() -> Tensor", &dflash_qpn::hit_counts);
-  m.def("set_poison(bool on) -> ()", &dflash_qpn::set_poison);
+  m.def("set_poison(bool on) -> bool", &dflash_qpn::set_poison);
   m.def("set_dispatch_checked(bool on) -> ()", &dflash_qpn::set_dispatch_checked);
   m.def("workspace_peak(int id) -> int", &dflash_qpn::workspace_peak);
   m.def("workspace_reset_peak(int id) -> ()", &dflash_qpn::workspace_reset_peak);
+  m.def("workspace_trim(int id, int bound) -> ()", &dflash_qpn::workspace_trim);
   m.def("workspace_release(int id) -> ()", &dflash_qpn::workspace_release);
 }
 

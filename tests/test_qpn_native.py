@@ -1,0 +1,204 @@
+"""The native QPN kernels (``torch.ops.dflash_qpn``) against the torch reference, their
+determinism, their hit counters, their workspaces (one per device, whatever the spelling) and
+their argument errors."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflash_kernels import qpn_native
+from dflash_kernels import qpn_reference as ref
+from dflash_kernels.gemm import (
+    QPN2,
+    QPN2_PACKED,
+    QPN2PackedRoute,
+    QPN4BoundedRoute,
+    shared_workspace,
+    workspace_bytes_per_tile,
+)
+from dflash_kernels.nvfp4 import quantize
+from pytest_dflash import hits
+from pytest_dflash.numerics import assert_bitwise_equal
+
+
+def _weight(n: int, k: int, seed: int = 0, scale: float = 0.05):
+    gen = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(n, k, generator=gen) * scale)
+
+
+def _x(m: int, k: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen).to(dtype)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+# fp32: both sides accumulate in fp32 in different orders; fp16: one fp16 rounding of the output
+TOLERANCE = {torch.float32: 2e-6, torch.float16: 1e-3}
+
+
+@pytest.mark.parametrize("n,k", [(90, 64), (96, 1024), (200, 320)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qpn2_kernel_matches_the_reference(n, k, dtype) -> None:
+    """Index math, split-K slices (K = 1024: four; K = 320: a partial one), padded N, every
+    row count around the 8-row blocks and the 32-row passes, linear and gated."""
+    w = QPN2.prepare(_weight(n, k))
+    for m in (1, 2, 5, 8, 9, 31, 32, 33, 70):
+        x = _x(m, k, dtype, seed=m)
+        for gated in (False, True):
+            got = QPN2.gate_up(x, w) if gated else QPN2.linear(x, w)
+            want = ref.qpn2_linear(x, w, gated)
+            assert got.dtype == dtype and got.shape == want.shape
+            assert _rel(got, want) <= TOLERANCE[dtype], f"M={m} gated={gated}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qpn4_bounded_kernel_matches_the_reference_chunk_by_chunk(dtype) -> None:
+    """A bound of 2 tiles over a 7-tile weight: four chunks, the last one short."""
+    n, k = 200, 256
+    bound = 2 * workspace_bytes_per_tile(k) + 100
+    route = QPN4BoundedRoute(workspace_bytes=bound)
+    w = route.prepare(_weight(n, k))
+    x = _x(50, k, dtype)
+    for gated in (False, True):
+        got = route.gate_up(x, w) if gated else route.linear(x, w)
+        want = ref.qpn4_bounded_linear(x, w, bound, gated)
+        assert _rel(got, want) <= TOLERANCE[dtype], f"gated={gated}"
+    assert route.workspace_peak_bytes() == 2 * workspace_bytes_per_tile(k) <= bound
+
+
+def test_fp16_inputs_use_the_prescaled_scales_and_fp32_inputs_the_raw_ones() -> None:
+    """With the fp16 scales deliberately wrong (doubled), fp16 inputs must change by 2x and
+    fp32 inputs not at all: each dtype reads the scale form it is documented to read."""
+    route = QPN4BoundedRoute()
+    w = route.prepare(_weight(64, 128))
+    x = _x(40, 128)
+    right16, right32 = route.linear(x.half(), w), route.linear(x, w)
+    doubled = QPN4BoundedRoute()
+    w2 = doubled.prepare(_weight(64, 128))
+    w2._cache["fp16"] = w2.fp16_prescaled_or_none() * 2
+    w2._cache.pop(doubled)  # rebuild the op arguments with the doubled scales
+    assert torch.equal(doubled.linear(x.half(), w2), right16 * 2)
+    assert torch.equal(doubled.linear(x, w2), right32)
+
+
+def test_qpn2_is_bitwise_identical_across_thread_counts() -> None:
+    w = QPN2.prepare(_weight(512, 1024))  # 16 tiles over the threads, 4 split-K slices
+    x = _x(8, 1024)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = QPN2.linear(x, w)
+        torch.set_num_threads(max(2, threads))
+        many = QPN2.linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert_bitwise_equal(many, one, "qpn2, 1 thread vs several")
+    assert_bitwise_equal(QPN2.linear(x, w), one, "qpn2 run to run")
+
+
+def test_baseline_simd_copy_matches_the_reference() -> None:
+    """Machines without AVX2 run the baseline copy; $DFLASH_QPN_DISABLE_AVX2 forces it here."""
+    code = (
+        "import torch\n"
+        "from dflash_kernels.gemm import QPN2, QPN4_BOUNDED\n"
+        "from dflash_kernels import qpn_reference as ref\n"
+        "from dflash_kernels.nvfp4 import quantize\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "w = quantize(torch.randn(96, 512, generator=g) * 0.05)\n"
+        "x = torch.randn(5, 512, generator=g)\n"
+        "a = QPN2.linear(x, QPN2.prepare(w)); b = ref.qpn2_linear(x, QPN2.prepare(w))\n"
+        "c = QPN4_BOUNDED.linear(x, QPN4_BOUNDED.prepare(w))\n"
+        "print(float((a - b).norm() / b.norm()), float((c - b).norm() / b.norm()))\n"
+    )
+    env = {**os.environ, "DFLASH_QPN_DISABLE_AVX2": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors = [float(v) for v in done.stdout.split()]
+    assert len(errors) == 2 and max(errors) <= 2e-6, done.stdout
+
+
+def test_device_spellings_share_one_workspace_and_one_peak() -> None:
+    """The peak is recorded under the device the tensors are on and read under the device the
+    caller names: 'cpu' and 'cpu:0' (like 'cuda' and 'cuda:0') must be one key. Keyed by the
+    raw torch.device, the second spelling read a fresh workspace with peak 0."""
+    assert qpn_native.device_key("cpu:0") == qpn_native.device_key("cpu") == torch.device("cpu")
+    assert shared_workspace("cpu:0") is shared_workspace("cpu")
+    assert shared_workspace(torch.device("cpu", 0)) is shared_workspace(torch.device("cpu"))
+    route = QPN2PackedRoute()
+    w = route.prepare(_weight(96, 256))
+    route.linear(_x(40, 256), w)  # large-M branch: the shared workspace is used
+    peak = route.workspace_peak_bytes("cpu")
+    assert peak > 0
+    assert route.workspace_peak_bytes("cpu:0") == peak
+    assert route.workspace_peak_bytes(torch.device("cpu", 0)) == peak
+    own = QPN4BoundedRoute()
+    own.linear(_x(40, 256), own.prepare(_weight(96, 256)))
+    assert own.workspace("cpu:0") is own.workspace("cpu")
+    assert own.workspace_peak_bytes("cpu:0") == own.workspace_peak_bytes("cpu") > 0
+
+
+def test_device_key_fills_in_the_current_cuda_device() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: 'cuda' is normalised to the current device's index")
+    assert qpn_native.device_key("cuda") == torch.device("cuda", torch.cuda.current_device())
+
+
+def test_native_hit_counters_feed_the_hit_snapshots() -> None:
+    w = QPN2.prepare(_weight(64, 128))
+    hits.reset()
+    assert not any(route.startswith("gemm.nvfp4.qpn") for route, _ in hits.snapshot())
+    QPN2.linear(_x(70, 128), w)  # three 32-row passes
+    QPN2_PACKED.linear(_x(3, 128), w)
+    assert hits.snapshot() == {("gemm.nvfp4.qpn2", "small_m"): 4,
+                               ("gemm.nvfp4.qpn2_packed", "small_m"): 1}
+    with hits.counting() as delta:
+        QPN2_PACKED.linear(_x(33, 128), w)
+    assert delta.counts == {("gemm.nvfp4.qpn2_packed", "large_m"): 1,
+                            ("gemm.nvfp4.qpn4_bounded", "large_m"): 1}
+
+
+def test_workspace_storage_is_released_with_its_route() -> None:
+    route = QPN4BoundedRoute()
+    route.linear(_x(40, 128), route.prepare(_weight(64, 128)))
+    ws_id = route.workspace("cpu").id
+    assert int(torch.ops.dflash_qpn.workspace_peak(ws_id)) > 0
+    del route
+    gc.collect()
+    assert int(torch.ops.dflash_qpn.workspace_peak(ws_id)) == 0  # a fresh, empty slot
+
+
+def test_op_argument_errors_name_the_problem() -> None:
+    w = QPN2.prepare(_weight(90, 128))
+    op = torch.ops.dflash_qpn.qpn2_linear
+    x = _x(2, 128)
+    cases = [
+        ((x, w.buffer.int(), w.scales, w.global_scale, w.n, w.k, False), "flat uint8 QPN"),
+        ((x, w.buffer, w.scales.view(-1), w.global_scale, w.n, w.k, False), "raw E4M3 bytes"),
+        ((x, w.buffer, w.scales, w.global_scale, w.n, 192, False), "K = 128 but the weight"),
+        ((x, w.buffer, w.scales, w.global_scale, w.n, 96, False), "K % 64 == 0"),
+        ((x, w.buffer, w.scales, w.global_scale, 200, w.k, False), "n = 200 does not match"),
+        ((x, w.buffer, w.scales, w.global_scale, 89, w.k, True), "even N"),
+        ((x.bfloat16(), w.buffer, w.scales, w.global_scale, w.n, w.k, False), "fp32 or fp16"),
+        ((x[None], w.buffer, w.scales, w.global_scale, w.n, w.k, False), r"2-D \[M, K\]"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            op(*args)
+    packed = torch.ops.dflash_qpn.qpn2_packed_linear
+    ws = shared_workspace("cpu").id
+    with pytest.raises(ValueError, match="scales_fp16 must be contiguous fp16"):
+        packed(x, w.buffer, w.scales, w.scales.float(), w.global_scale, w.n, w.k, 33, ws,
+               2**20, False)
+    with pytest.raises(ValueError, match="raise workspace_bytes to at least"):
+        packed(_x(40, 128), w.buffer, w.scales, None, w.global_scale, w.n, w.k, 33, ws, 100,
+               False)
