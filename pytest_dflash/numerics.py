@@ -9,7 +9,9 @@ Two parity classes exist (DESIGN 5, "Parity classes"):
 * type A, same arithmetic in a different layout: :func:`assert_bitwise_equal` (raw bytes equal).
 * type B, a different reduction order: :func:`check_parity`, the FlashAttention three-way rule
   ``max err(candidate) <= k * max err(reference) + floor(dtype)`` where ``reference`` is the
-  same-dtype torch computation, plus relative L2 ``<= rel_l2(dtype)``. NaN/Inf never pass.
+  same-dtype torch computation, plus relative L2 ``<= rel_l2(dtype)``. NaN/Inf never pass. The
+  reference is checked first: outside the policy's limits of the oracle it raises
+  :class:`ReferenceUnreliable` instead of widening the bound.
 
 All error arithmetic runs in fp64 on the CPU so the check itself adds no rounding of its own.
 """
@@ -42,6 +44,15 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
         )
     t.fill_(float("nan"))
     return t
+
+
+class ReferenceUnreliable(ValueError):
+    """The same-dtype reference is itself outside the policy's limits of the oracle.
+
+    Its error calibrates the candidate's bound (k x ref error + floor), so a wrong reference
+    would loosen the gate exactly where it should be strictest; such a case is an error that
+    names the reference, never a pass under a looser bound.
+    """
 
 
 @dataclass
@@ -180,6 +191,7 @@ def check_parity(
                 "calibrate the bound; fix the inputs (e.g. scale them into the dtype's range)"
             )
         ref_max = float(ref_err.max())
+        _check_reference(ref, orc, ref_max, limit=limit, floor=floor, key=key, label=label)
         bound = policy.parity_k * ref_max + floor
         rule = f"{policy.parity_k:g} x ref max err {ref_max:.3g} + floor {floor:g}"
     else:
@@ -231,6 +243,24 @@ def check_parity(
         first_bad=first_bad,
         first_bad_values=first_vals,
         bound_rule=rule,
+    )
+
+
+def _check_reference(ref: torch.Tensor, orc: torch.Tensor, ref_max: float, *, limit: float,
+                     floor: float, key: str, label: str) -> None:
+    """Raise :class:`ReferenceUnreliable` unless the reference meets the oracle-only rule (rel
+    L2 <= limit, every element within ``limit * max|oracle| + floor``)."""
+    orc_norm = float(torch.linalg.vector_norm(orc))
+    ref_l2 = float(torch.linalg.vector_norm(ref - orc)) / orc_norm if orc_norm > 0 else 0.0
+    elem_bound = limit * float(orc.abs().max()) + floor
+    if ref_l2 <= limit and ref_max <= elem_bound:
+        return
+    raise ReferenceUnreliable(
+        f"{label}: reference unreliable: the same-dtype reference is outside the policy's "
+        f"{key} limits of the oracle (rel L2 {ref_l2:.3g} vs limit {limit:g}, max abs error "
+        f"{ref_max:.3g} vs {elem_bound:.3g}); it cannot calibrate the candidate's bound, so "
+        "this case is an error, not a looser bound: fix the reference route (the family "
+        "baseline) on this device"
     )
 
 

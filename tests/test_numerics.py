@@ -106,14 +106,21 @@ def test_nan_never_passes_and_unwritten_output_is_caught():
 
 
 def test_rel_l2_catches_systematic_bias_within_elementwise_bound():
-    """A reference with a large error loosens the elementwise bound; rel L2 still applies."""
+    """A sloppy reference (which would loosen the elementwise bound) is refused outright; a
+    systematic bias that every element hides under the bound still fails on rel L2."""
+    from pytest_dflash.numerics import ReferenceUnreliable
+
     _, _, oracle, _ = _matmul_case()
-    reference = oracle.float() + 0.05  # sloppy reference: bound 2 * 0.05 + floor
+    sloppy = oracle.float() + 0.05  # would make the bound 2 * 0.05 + floor
     cand = (oracle * (1 + 5e-5)).float()
-    result = check_parity(cand, oracle, reference, policy=POLICY, dtype="float32", label="bias")
-    assert result.mismatches == 0
-    assert result.rel_l2 == pytest.approx(5e-5, rel=1e-2)
-    assert not result.ok
+    with pytest.raises(ReferenceUnreliable, match="bias: reference unreliable"):
+        check_parity(cand, oracle, sloppy, policy=POLICY, dtype="float32", label="bias")
+    loose = Policy(parity_rel_l2={"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2})
+    result = check_parity(cand, oracle, None, policy=loose, dtype="float32", label="bias")
+    assert result.mismatches == 0  # within 1e-4 * max|oracle| elementwise...
+    strict = check_parity(cand, oracle, None, policy=POLICY, dtype="float32", label="bias")
+    assert strict.rel_l2 == pytest.approx(5e-5, rel=1e-2)
+    assert not strict.ok  # ...but rel L2 5e-5 > 1e-5 fails
 
 
 def test_global_scale_convention_error_is_caught_without_reference():
@@ -187,3 +194,19 @@ def test_bitwise_equal_distinguishes_signed_zero_and_checks_dtype_and_shape():
         assert_bitwise_equal(torch.ones(2), torch.ones(2, dtype=torch.float16), "dt")
     with pytest.raises(AssertionError, match=r"shape \(2,\) != \(1, 2\)"):
         assert_bitwise_equal(torch.ones(2), torch.ones(1, 2), "sh")
+
+
+def test_unreliable_reference_is_an_error_not_a_looser_bound():
+    """A reference outside the oracle-only limits would widen the candidate's bound; the case
+    must raise, naming the reference, even for a candidate that would pass under it."""
+    from pytest_dflash.numerics import ReferenceUnreliable
+
+    a, b, oracle, reference = _matmul_case()
+    cand = _split_k(a, b, chunk=64)
+    wrong_ref = reference.clone()
+    wrong_ref[3, 4] += 0.25  # one element far outside the fp32 limits
+    with pytest.raises(ReferenceUnreliable, match=r"mm: reference unreliable.*max abs error"):
+        check_parity(cand, oracle, wrong_ref, policy=POLICY, dtype="float32", label="mm")
+    drifted = (reference.double() * (1 + 3e-5)).float()  # every element slightly off: rel L2
+    with pytest.raises(ReferenceUnreliable, match=r"rel L2 3e-05 vs limit 1e-05"):
+        check_parity(cand, oracle, drifted, policy=POLICY, dtype="float32", label="mm")
