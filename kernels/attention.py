@@ -141,9 +141,12 @@ class OracleAttention(_Route):
 class SdpaAttention(_Route):
     """torch ``scaled_dot_product_attention``: the fallback every engine has (baseline).
 
-    GQA without copies: q is viewed as batch = Hkv, heads = G = Hq / Hkv, and k/v are expanded
-    over G with stride 0. Causal with Tq < Tk needs a bottom-right aligned mask, which SDPA's
-    ``is_causal`` (top-left aligned) is not, so an explicit mask is passed there.
+    GQA without copies where that is right: q is viewed as batch = Hkv, heads = G = Hq / Hkv,
+    and k/v are expanded over G with stride 0. Causal with Tq < Tk needs a bottom-right aligned
+    mask, which SDPA's ``is_causal`` (top-left aligned) is not, so an explicit mask is passed
+    there. On CUDA that combination (stride-0 expanded K/V with an explicit mask) returns wrong
+    values in torch (docs/attention.md has the reproduction), so there K/V are expanded to Hq
+    heads by copy instead; the CPU keeps the copy-free view.
     """
 
     route = f"{FAMILY}.sdpa"
@@ -152,12 +155,19 @@ class SdpaAttention(_Route):
         tq, hq, d = q.shape
         tk, hkv, _ = k.shape
         group = hq // hkv
-        qh = q.view(tq, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
-        kh = k.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
-        vh = v.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
         mask = None
         if causal and tq != tk:
             mask = causal_mask(tq, tk, q.device)
+        if mask is not None and group > 1 and q.device.type != "cpu":
+            qh = q.permute(1, 0, 2).unsqueeze(0)  # [1, Hq, Tq, D]
+            kh = k.permute(1, 0, 2).repeat_interleave(group, 0).unsqueeze(0)  # [1, Hq, Tk, D]
+            vh = v.permute(1, 0, 2).repeat_interleave(group, 0).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=softmax_scale)
+            out.copy_(o[0].permute(1, 0, 2))
+            return
+        qh = q.view(tq, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
+        kh = k.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
+        vh = v.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
                                            is_causal=causal and tq == tk, scale=softmax_scale)
         out.view(tq, hkv, group, d).copy_(o.permute(2, 0, 1, 3))
