@@ -77,6 +77,24 @@ def cuda_timer(fn: Callable[[], Any], device: torch.device | str) -> float:
     return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
 
 
+def synchronized(fn: Callable[[], Any], device: torch.device | str) -> Callable[[], Any]:
+    """``fn`` followed by a device synchronize on CUDA (unchanged on the CPU).
+
+    For wall-clock timers such as pytest-benchmark's: a CUDA call returns once its kernels are
+    queued, so timing it unsynchronised measures the launch, not the work.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return fn
+
+    def call() -> Any:
+        result = fn()
+        torch.cuda.synchronize(dev)
+        return result
+
+    return call
+
+
 def timer_for(device: torch.device | str) -> Callable[[Callable[[], Any]], float]:
     """The timer that measures ``device`` honestly: CUDA events on CUDA, perf_counter on CPU."""
     dev = torch.device(device)

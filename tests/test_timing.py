@@ -15,7 +15,14 @@ import torch
 
 from pytest_dflash.policy import Policy
 from pytest_dflash.statistics import PairedResult
-from pytest_dflash.timing import cpu_timer, cuda_timer, l2_flush_buffer, speed_gate, timer_for
+from pytest_dflash.timing import (
+    cpu_timer,
+    cuda_timer,
+    l2_flush_buffer,
+    speed_gate,
+    synchronized,
+    timer_for,
+)
 
 POLICY = Policy()
 SMALL = np.random.default_rng(0).random(200_000)
@@ -67,6 +74,27 @@ def test_timer_for_picks_the_device_timer():
 def test_timer_for_cuda_without_cuda_says_how_to_fix():
     with pytest.raises(RuntimeError, match="sees no CUDA device; run with --dflash-device cpu"):
         timer_for("cuda")
+
+
+def test_synchronized_is_the_call_itself_on_the_cpu():
+    calls = []
+    fn = lambda: calls.append(1) or 7  # noqa: E731
+    assert synchronized(fn, "cpu") is fn
+    assert synchronized(fn, "cpu")() == 7 and calls == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
+def test_synchronized_waits_for_the_queued_kernels_on_cuda():
+    device = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(4096, 4096, device=device)
+    done = torch.cuda.Event()
+
+    def work() -> None:  # milliseconds of queued GPU work, then a marker behind it
+        a @ a @ a @ a
+        done.record()
+
+    synchronized(work, device)()
+    assert done.query(), "the work was still queued when the synchronised call returned"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA events)")
