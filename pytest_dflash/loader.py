@@ -13,11 +13,16 @@ every outcome explicit:
 * ``missing``: no usable library: fallback, one :class:`DflashFallbackWarning`.
 
 An op counts as *verified* only if the dispatcher has a kernel for the device AND a tiny call
-matches an fp64 reference. A torch op namespace can be registered by only one library: loading a
-second library that registers ``dflash_d256`` aborts the process (SIGABRT, not catchable). So
-before any load the loader checks which library already owns the namespace, and a library it did
-not build itself (a sidecar) is first loaded in a child interpreter, so a crashing, corrupt or
-clashing file costs a child process and an error message, never the session.
+on that device matches an fp64 reference (on CUDA in fp32 and fp16, the kernels' two paths).
+The status is therefore per device: a library with CPU kernels only is *bundled* on a CPU run
+and *partial* on a CUDA run, with the reason the build gives (no nvcc, torch without CUDA, no
+target for the GPU), so a loader gate never passes on a device where the ops do not run.
+
+A torch op namespace can be registered by only one library: loading a second library that
+registers ``dflash_d256`` aborts the process (SIGABRT, not catchable). So before any load the
+loader checks which library already owns the namespace, and a library it did not build itself
+(a sidecar) is first loaded in a child interpreter, so a crashing, corrupt or clashing file
+costs a child process and an error message, never the session.
 """
 
 from __future__ import annotations
@@ -254,31 +259,58 @@ def _verify(op: str, device: str) -> dict[str, Any]:
     key = _dispatch_key(device)
     if not torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key):
         return {"present": True, "verified": False,
-                "error": f"{qualified} has no kernel for dispatch key {key} (device {device})"}
-    try:
-        err = _tiny_call_error(op, torch.device(device))
-    except Exception as exc:  # noqa: BLE001 - any failure of the op means "not verified"
-        return {"present": True, "verified": False,
-                "error": f"{qualified} failed its check call: {type(exc).__name__}: {exc}"}
-    if not err <= 1e-4:  # also catches NaN
-        return {"present": True, "verified": False,
-                "error": f"{qualified} disagrees with the fp64 reference: max abs error {err:.3g}"}
+                "error": f"{qualified} has no kernel for dispatch key {key} (device {device})"
+                         f"{_no_kernel_reason(key)}"}
+    dtypes = _CHECK_DTYPES.get(torch.device(device).type, _CHECK_DTYPES["cpu"])
+    for dtype, tolerance in dtypes:
+        try:
+            err = _tiny_call_error(op, torch.device(device), dtype)
+        except Exception as exc:  # noqa: BLE001 - any failure of the op means "not verified"
+            return {"present": True, "verified": False,
+                    "error": f"{qualified} failed its {dtype} check call on {device}: "
+                             f"{type(exc).__name__}: {exc}"}
+        if not err <= tolerance:  # also catches NaN
+            return {"present": True, "verified": False,
+                    "error": f"{qualified} disagrees with the fp64 reference on {device} in "
+                             f"{dtype}: max abs error {err:.3g} > {tolerance:g}"}
     return {"present": True, "verified": True, "error": None}
 
 
-def _tiny_call_error(op: str, device: Any) -> float:
-    """Max abs error of one small GQA causal call (Tq < Tk, odd sizes) against fp64 math."""
+# (dtype, max abs error against fp64) per device type. The CUDA kernels have separate fp16
+# (tensor core) and fp32 (SIMT) paths, so both are called; on the CPU both dtypes share one path.
+_CHECK_DTYPES: dict[str, tuple[tuple[str, float], ...]] = {
+    "cpu": (("float32", 1e-4),),
+    "cuda": (("float32", 1e-4), ("float16", 5e-3)),
+}
+
+
+def _no_kernel_reason(key: str) -> str:
+    """Why a library the loader built itself has no CUDA kernels (no nvcc, CPU torch, ...)."""
+    if key != "CUDA" or _OWNER is None or _LOADED[_OWNER].source != "bundled":
+        return ""
+    try:
+        from pytest_dflash import build
+
+        return f": the bundled build has no CUDA code ({build.cuda_plan().reason})"
+    except Exception as exc:  # noqa: BLE001 - the reason is a courtesy, never a crash
+        return f": the bundled build has no CUDA code (reason unknown: {exc})"
+
+
+def _tiny_call_error(op: str, device: Any, dtype: str = "float32") -> float:
+    """Max abs error of one small GQA causal call (Tq < Tk, odd sizes) against fp64 math on
+    the same (``dtype``-rounded) inputs."""
     import torch
 
     from dflash_kernels.attention import reference_attention
 
     gen = torch.Generator().manual_seed(20261129)
     tq, tk, hq, hkv, d, scale = 5, 11, 4, 2, 256, 0.0625
-    q = torch.randn(tq, hq, d, generator=gen)
-    k = torch.randn(tk, hkv, d, generator=gen)
-    v = torch.randn(tk, hkv, d, generator=gen)
+    dt = getattr(torch, dtype)
+    q = torch.randn(tq, hq, d, generator=gen).to(dt)
+    k = torch.randn(tk, hkv, d, generator=gen).to(dt)
+    v = torch.randn(tk, hkv, d, generator=gen).to(dt)
     expected = reference_attention(q, k, v, scale, True)
-    out = torch.full((tq, hq, d), float("nan"), device=device)
+    out = torch.full((tq, hq, d), float("nan"), device=device, dtype=dt)
     ops = getattr(torch.ops, NAMESPACE)
     if op == "dense":
         ops.dense(q.to(device), k.to(device), v.to(device), out, scale, True)
@@ -286,8 +318,8 @@ def _tiny_call_error(op: str, device: Any) -> float:
         ops.dense_splitkv(q.to(device), k.to(device), v.to(device), out, scale, True, 2)
     elif op == "paged":
         block_size, table = 4, [3, 0, 4]  # scattered blocks, last one partly used
-        k_cache = torch.randn(5, block_size, hkv, d, generator=gen)
-        v_cache = torch.randn(5, block_size, hkv, d, generator=gen)
+        k_cache = torch.randn(5, block_size, hkv, d, generator=gen).to(dt)
+        v_cache = torch.randn(5, block_size, hkv, d, generator=gen).to(dt)
         for i, block in enumerate(table):
             n = min(block_size, tk - i * block_size)
             k_cache[block, :n] = k[i * block_size : i * block_size + n]
