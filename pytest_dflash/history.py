@@ -211,7 +211,9 @@ def _unlike(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
                        f"{new.get('device', {}).get('name')}")
     if old["profile"] != new["profile"]:
         reasons.append(f"profile {old['profile']} -> {new['profile']}")
-    policy_a, policy_b = old.get("policy", {}), new.get("policy", {})
+    # as stored: a live report holds tuples where a stored one holds lists
+    policy_a, policy_b = (json.loads(json.dumps(r.get("policy", {}), default=str))
+                          for r in (old, new))
     changed = [k for k in sorted(set(policy_a) | set(policy_b))
                if policy_a.get(k) != policy_b.get(k)]
     if changed:

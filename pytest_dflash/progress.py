@@ -62,8 +62,6 @@ class _Tracker:
 
         op = "<" if self.rule == "gain" else "<="
         head = f"{self.label}: {done}/{target} rounds (cap {self.max_rounds})"
-        if done < 2:
-            return head
         ratios = np.asarray(cand[:done], dtype=float) / np.asarray(base[:done], dtype=float)
         median, lo, hi = bootstrap_ci(ratios, confidence=self.confidence, resamples=1000,
                                       seed=[done, 7])
@@ -73,7 +71,7 @@ class _Tracker:
     def __call__(self, done: int, target: int, cand: Sequence[float],
                  base: Sequence[float]) -> None:
         now = self.clock()
-        if now - self.start < self.delay_s:
+        if done < 2 or now - self.start < self.delay_s:  # a ratio's CI needs two rounds
             return
         if self.last is not None and now - self.last < self.sink.interval_s:
             return
@@ -147,16 +145,26 @@ class TerminalSink:
 
 
 def install_for(config: Any) -> None:
-    """Install the terminal sink for this pytest session if progress should be shown."""
-    if hasattr(config, "workerinput") or config.get_verbosity() < 0:
+    """Show progress in this pytest session if it should be shown (decided at session start,
+    when pytest's terminal reporter exists: it is configured after this plugin)."""
+    if hasattr(config, "workerinput"):
         install(None)
         return
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None:
-        install(None)
-        return
-    capture = config.pluginmanager.get_plugin("capturemanager")
-    sink = TerminalSink(reporter, capture, tty=bool(getattr(reporter, "isatty", False)))
-    config.pluginmanager.register(sink, "dflash-progress")
-    install(sink)
+    config.pluginmanager.register(_Installer(config), "dflash-progress-installer")
     config.add_cleanup(lambda: install(None))
+
+
+class _Installer:
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def pytest_sessionstart(self, session: Any) -> None:
+        config = self.config
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is None or config.get_verbosity() < 0:
+            install(None)
+            return
+        capture = config.pluginmanager.get_plugin("capturemanager")
+        sink = TerminalSink(reporter, capture, tty=bool(getattr(reporter, "isatty", False)))
+        config.pluginmanager.register(sink, "dflash-progress")
+        install(sink)
