@@ -23,11 +23,11 @@ OnRound = Callable[[int, int, Sequence[float], Sequence[float]], None]
 
 
 class Sink(Protocol):
-    """Where progress text goes: ``update`` shows the current state, ``clear`` ends it."""
+    """Where progress goes: ``update`` shows a gate's current state, ``clear`` ends it."""
 
     interval_s: float
 
-    def update(self, text: str) -> None: ...
+    def update(self, label: str, status: str) -> None: ...
 
     def clear(self) -> None: ...
 
@@ -54,19 +54,18 @@ class _Tracker:
         self.last: float | None = None
         self.shown = False
 
-    def text(self, done: int, target: int, cand: Sequence[float],
-             base: Sequence[float]) -> str:
+    def status(self, done: int, target: int, cand: Sequence[float],
+               base: Sequence[float]) -> str:
         import numpy as np
 
         from pytest_dflash.statistics import bootstrap_ci
 
         op = "<" if self.rule == "gain" else "<="
-        head = f"{self.label}: {done}/{target} rounds (cap {self.max_rounds})"
         ratios = np.asarray(cand[:done], dtype=float) / np.asarray(base[:done], dtype=float)
         median, lo, hi = bootstrap_ci(ratios, confidence=self.confidence, resamples=1000,
                                       seed=[done, 7])
-        return (f"{head}, ratio {median:.3f} [{lo:.3f}, {hi:.3f}] so far, "
-                f"needs CI upper {op} {self.threshold:.3f}")
+        return (f"{done}/{target} rounds (cap {self.max_rounds}), ratio {median:.3f} "
+                f"[{lo:.3f}, {hi:.3f}] so far, needs CI upper {op} {self.threshold:.3f}")
 
     def __call__(self, done: int, target: int, cand: Sequence[float],
                  base: Sequence[float]) -> None:
@@ -77,7 +76,7 @@ class _Tracker:
             return
         self.last = now
         self.shown = True
-        self.sink.update(self.text(done, target, cand, base))
+        self.sink.update(self.label, self.status(done, target, cand, base))
 
 
 @contextmanager
@@ -120,17 +119,18 @@ class TerminalSink:
             return nullcontext()
         return self.capture.global_and_fixture_disabled()
 
-    def update(self, text: str) -> None:
+    def update(self, label: str, status: str) -> None:
         with self._suspended():
             where = f"{self.test} " if self.test else ""
             if not self.tty:
-                self.reporter.write_line(f"dflash progress: {where}{text}")
+                self.reporter.write_line(f"dflash progress: {where}{label}: {status}")
                 return
             if not self.active:
                 self.reporter.ensure_newline()
                 self.active = True
             width = max(20, self.reporter._tw.fullwidth - 1)
-            line = f"dflash: {where}{text}"
+            line = f"dflash {status} | {where}{label}"  # numbers first: a narrow terminal
+            # cuts the names, not the figures
             self.reporter.rewrite(line[:width], erase=True)
             self.reporter.flush()
 

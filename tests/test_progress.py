@@ -20,8 +20,8 @@ class Recorder:
         self.updates: list[str] = []
         self.cleared = 0
 
-    def update(self, text: str) -> None:
-        self.updates.append(text)
+    def update(self, label: str, status: str) -> None:
+        self.updates.append(f"{label}: {status}")
 
     def clear(self) -> None:
         self.cleared += 1
@@ -99,12 +99,12 @@ def test_terminal_sink_rewrites_one_line_on_a_tty(pytester: pytest.Pytester) -> 
     out = io.StringIO()
     sink = progress.TerminalSink(_reporter(pytester, out), None, tty=True)
     sink.pytest_runtest_logstart("suites/t.py::test_speed[r.fast]", ("", 0, ""))
-    sink.update("12/48 rounds")
-    sink.update("24/48 rounds")
+    sink.update("M=3", "12/48 rounds")
+    sink.update("M=3", "24/48 rounds")
     sink.clear()
     text = out.getvalue()
-    assert "\rdflash: test_speed[r.fast] 12/48 rounds" in text
-    assert "\rdflash: test_speed[r.fast] 24/48 rounds" in text
+    assert "\rdflash 12/48 rounds | test_speed[r.fast] M=3" in text
+    assert "\rdflash 24/48 rounds | test_speed[r.fast] M=3" in text
     assert text.endswith("\r") and "\n" not in text.split("24/48 rounds")[1]
     assert sink.interval_s < 1
 
@@ -112,7 +112,7 @@ def test_terminal_sink_rewrites_one_line_on_a_tty(pytester: pytest.Pytester) -> 
 def test_terminal_sink_writes_plain_lines_when_not_a_tty(pytester: pytest.Pytester) -> None:
     out = io.StringIO()
     sink = progress.TerminalSink(_reporter(pytester, out), None, tty=False)
-    sink.update("12/48 rounds")
+    sink.update("M=3", "12/48 rounds")
     sink.clear()
-    assert out.getvalue() == "dflash progress: 12/48 rounds\n"
+    assert out.getvalue() == "dflash progress: M=3: 12/48 rounds\n"
     assert sink.interval_s >= 30
