@@ -631,6 +631,29 @@ def _unjailed_allowed(allow_unjailed: bool | None) -> bool:
     return bool(allow_unjailed)
 
 
+def _permitted(allow_unjailed: bool | None) -> _Launcher:
+    with _launcher_lock:
+        launcher = _launcher()
+    if launcher.jail:
+        return launcher
+    if not _unjailed_allowed(allow_unjailed):
+        raise SandboxUnavailable(
+            "refusing to run generated code: no file-system jail can be built here, so the "
+            f"program could read the host's files ({launcher.isolation[0]}). Install "
+            "bubblewrap, or opt in explicitly with --dflash-allow-unjailed (environment "
+            f"{ALLOW_UNJAILED_ENV}=1); the choice is recorded in the report"
+        )
+    return dataclasses.replace(launcher, isolation=(
+        "files: UNJAILED by explicit opt-in (allow_unjailed): host files are readable",
+        *launcher.isolation))
+
+
+def check_permitted(allow_unjailed: bool | None = None) -> tuple[str, ...]:
+    """The isolation line generated code would run under here, or :class:`SandboxUnavailable`
+    if it may not run at all: a gate asks first, before it spends time generating code."""
+    return _permitted(allow_unjailed).isolation
+
+
 def run_untrusted(
     program: str,
     *,
@@ -663,19 +686,7 @@ def run_untrusted(
             "output with errors='replace' before scoring it"
         ) from None
     _check_limits(timeout_s, memory_mb, cpu_s, max_procs, max_file_bytes, disk_bytes)
-    with _launcher_lock:
-        launcher = _launcher()
-    if not launcher.jail:
-        if not _unjailed_allowed(allow_unjailed):
-            raise SandboxUnavailable(
-                "refusing to run generated code: no file-system jail can be built here, so the "
-                f"program could read the host's files ({launcher.isolation[0]}). Install "
-                "bubblewrap, or opt in explicitly with --dflash-allow-unjailed (environment "
-                f"{ALLOW_UNJAILED_ENV}=1); the choice is recorded in the report"
-            )
-        launcher = dataclasses.replace(launcher, isolation=(
-            "files: UNJAILED by explicit opt-in (allow_unjailed): host files are readable",
-            *launcher.isolation))
+    launcher = _permitted(allow_unjailed)
     return _execute(launcher, program, timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s,
                     max_procs=max_procs, max_file_bytes=max_file_bytes, disk_bytes=disk_bytes,
                     tail_chars=tail_chars)

@@ -201,6 +201,7 @@ def test_isolation_names_the_jail_first(jail):
                      "python guards"]
     assert notes[-1] == "python guards: courtesy layer only, not a barrier"
     assert run("pass").isolation == notes
+    assert sandbox.check_permitted() == notes
 
 
 def test_the_jail_shows_only_the_interpreter(jail):
@@ -575,6 +576,9 @@ def test_without_a_jail_generated_code_is_refused_unless_opted_in(no_bwrap):
     with pytest.raises(SandboxUnavailable, match="refusing to run generated code.*install "
                        "bubblewrap.*--dflash-allow-unjailed"):
         run("print('hi')")
+    with pytest.raises(SandboxUnavailable):
+        sandbox.check_permitted()
+    assert sandbox.check_permitted(allow_unjailed=True)[0].startswith("files: UNJAILED")
     result = run("print('hi')", allow_unjailed=True)
     assert result.passed, result.stderr_tail
     assert result.isolation[0].startswith("files: UNJAILED by explicit opt-in")
