@@ -1,4 +1,4 @@
-"""Family ``attn.d256``: causal prefill attention with head dim 256 (DESIGN 5).
+"""Family ``attn.d256``: causal prefill attention with head dim 256 (docs/families.md).
 
 Every route is an object with the same two calls, writing into a caller-owned ``out``:
 

@@ -1,6 +1,7 @@
-"""The gemm.nvfp4 routes: linear layers whose weights are NVFP4 (DESIGN 5, "gemm.nvfp4 routes").
+"""The gemm.nvfp4 routes: linear layers whose weights are NVFP4 (docs/families.md).
 
-Every route offers the same calling contract (:class:`GemmRoute`), which the gate suites and the
+Every route offers the same calling contract (``GemmRoute``, which is
+``pytest_dflash.families.GemmNvfp4``), which the gate suites and the
 reference engine use and an outside route of this family must offer too:
 
 - ``prepare(w: NVFP4Weight) -> prepared``: the route's resident form of the weight; call it
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,7 @@ from dflash_kernels.nvfp4 import NVFP4Weight, dequantize, validate
 from dflash_kernels.qpn import TILE_N, QPNWeight, prepare_qpn2
 from dflash_kernels.qpn_native import Workspace, device_key
 from pytest_dflash import hits
+from pytest_dflash.families import GemmNvfp4
 
 FAMILY = "gemm.nvfp4"
 # Largest projection of the target deployment in fp16: 5120 x 8704 x 2 bytes = 85 MiB.
@@ -55,17 +57,8 @@ DEFAULT_MIN_PREFILL_M = QPN2_MAX_M + 1
 SPLIT_K = 256
 
 
-@runtime_checkable
-class GemmRoute(Protocol):
-    """The calling contract of family gemm.nvfp4 (see the module docstring)."""
-
-    name: str
-
-    def prepare(self, w: NVFP4Weight) -> Any: ...
-
-    def linear(self, x: Tensor, prepared: Any) -> Tensor: ...
-
-    def gate_up(self, x: Tensor, prepared: Any) -> Tensor: ...
+# The calling contract of family gemm.nvfp4, declared with the other family contracts.
+GemmRoute = GemmNvfp4
 
 
 def as_gemm_route(impl: object, route_name: str) -> GemmRoute:
@@ -95,7 +88,8 @@ def poisoned_buffers() -> Iterator[None]:
     """Inside this block, every scratch, workspace and output buffer the QPN kernels take is
     filled with 0xFF bytes first (NaN as fp32 and fp16) before use.
 
-    Parity gates run candidates inside it (DESIGN 6: output buffers poisoned before the call),
+    Parity gates run candidates inside it (docs/gates.md, "parity": output buffers poisoned
+    before the call),
     so an element a kernel forgot to write fails parity as NaN instead of passing with a
     plausible value left over from the previous call. The flag lives in the native library.
     """

@@ -1,6 +1,6 @@
 """NVFP4 weights: E2M1 codes, one E4M3 scale per 16 K elements, one fp32 global scale.
 
-This is the checkpoint form every gemm.nvfp4 route starts from (DESIGN 5, "NVFP4 weights"):
+This is the checkpoint form every gemm.nvfp4 route starts from (docs/families.md, "NVFP4 weights"):
 
 - codes: E2M1, 4 bits, sign in bit 3, magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6};
 - ``packed``: uint8 ``[N, K/2]``, element ``k`` even in the low nibble, ``k`` odd in the high one;

@@ -1,4 +1,5 @@
-"""QPN2 / QPN4: two views of ONE tile-ordered byte buffer of NVFP4 codes (DESIGN 5).
+"""QPN2 / QPN4: two views of ONE tile-ordered byte buffer of NVFP4 codes (docs/families.md,
+"QPN layouts").
 
 The small-M decode path reads the codes as QPN2 and the large-M prefill path as QPN4; since both
 are views of the same storage, a model keeps one resident copy of its weight codes and the
@@ -141,9 +142,9 @@ def prepare_qpn2(w: NVFP4Weight, *, pad_n: bool = True) -> QPNWeight:
     n, k = w.shape
     if k % K_MULTIPLE:
         raise ValueError(
-            f"K = {k} breaks the QPN shape contract K % {K_MULTIPLE} == 0 (DESIGN 5); pad K "
-            f"with zero columns to {-(-k // K_MULTIPLE) * K_MULTIPLE} before quantizing, or use "
-            "the turbomind route for this layer"
+            f"K = {k} breaks the QPN shape contract K % {K_MULTIPLE} == 0 (docs/families.md); "
+            f"pad K with zero columns to {-(-k // K_MULTIPLE) * K_MULTIPLE} before quantizing, "
+            "or use the turbomind route for this layer"
         )
     n_padded = -(-n // TILE_N) * TILE_N
     if n_padded != n and not pad_n:

@@ -1,21 +1,18 @@
-"""Gate kinds and profiles: the closed vocabulary every other module validates against."""
+"""Former name of :mod:`pytest_dflash.vocabulary` (gate kinds, profiles, roles).
 
-from __future__ import annotations
+The module held the vocabulary, not gates, and was renamed; this name keeps imports written
+against it working. New code imports ``pytest_dflash.vocabulary``.
+"""
 
-GATE_KINDS: tuple[str, ...] = ("loader", "parity", "speed", "validation_cost", "ppl", "quality")
-PROFILES: tuple[str, ...] = ("quick", "ci", "full")
-ROLES: tuple[str, ...] = ("oracle", "baseline", "candidate")
-# Timing gates share the device with nothing else: they refuse to run inside xdist workers.
-EXCLUSIVE_KINDS: frozenset[str] = frozenset({"speed", "validation_cost"})
+from pytest_dflash.vocabulary import (
+    EXCLUSIVE_KINDS,
+    GATE_KINDS,
+    PROFILES,
+    ROLES,
+    UnknownNameError,
+    check_kind,
+    check_profile,
+)
 
-
-class UnknownNameError(ValueError):
-    """A route, gate kind or profile name that does not exist; the message lists what does."""
-
-
-def check_kind(kind: str) -> str:
-    if kind not in GATE_KINDS:
-        raise UnknownNameError(
-            f"unknown gate kind {kind!r}; known kinds: {', '.join(GATE_KINDS)}"
-        )
-    return kind
+__all__ = ["EXCLUSIVE_KINDS", "GATE_KINDS", "PROFILES", "ROLES", "UnknownNameError",
+           "check_kind", "check_profile"]

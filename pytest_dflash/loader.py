@@ -1,8 +1,8 @@
 """The one loader of the native D256 attention ops, and the status record it returns.
 
-Why it exists (DESIGN 5, "Loader states"): the failure this project was born from is a native op
-library that silently did not load, so everything fell back and nothing failed. The loader makes
-every outcome explicit:
+Why it exists (docs/families.md, "Loader states"): the failure this project was born from is a
+native op library that silently did not load, so everything fell back and nothing failed. The
+loader makes every outcome explicit:
 
 * ``bundled``: the package's own build of ``kernels/csrc`` (compiled on first use into the cache,
   see :mod:`pytest_dflash.build`) provides every required op, verified.
@@ -435,8 +435,8 @@ def load_d256(
 
     if not status.ok:
         missing = status.missing_ops()
-        message = (f"attention route attn.d256.fa2 not selected, falling back to SDPA: "
-                   f"{NAMESPACE} ops {status.state}; missing or failing: {', '.join(missing)}")
+        message = (f"{NAMESPACE} ops {status.state}; missing or failing: {', '.join(missing)}: "
+                   "routes that need them are not selected, falling back to the family baseline")
         if status.error:
             message += f" ({status.error})"
         status.warnings.append(message)

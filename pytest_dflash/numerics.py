@@ -1,10 +1,10 @@
-"""Numerical parity checks shared by every parity gate (DESIGN section 6, "parity").
+"""Numerical parity checks shared by every parity gate (docs/gates.md, "parity").
 
 Why one module: every family compares a candidate against an oracle with the same rule, so a
 kernel from another project is judged exactly like a shipped one, and every failure message has
 the same shape (count and share of mismatches, max/mean abs and rel error, first bad indices).
 
-Two parity classes exist (DESIGN 5, "Parity classes"):
+Two parity classes exist (docs/vocabulary.md, "parity classes"):
 
 * type A, same arithmetic in a different layout: :func:`assert_bitwise_equal` (raw bytes equal).
 * type B, a different reduction order: :func:`check_parity`, the FlashAttention three-way rule

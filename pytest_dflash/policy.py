@@ -20,7 +20,7 @@ class PolicyError(ValueError):
 
 @dataclass(frozen=True)
 class Policy:
-    # speed (DESIGN 6): pass only if the CI upper bound of candidate/baseline < 1 - min_gain
+    # speed (docs/gates.md): pass only if the CI upper bound of candidate/baseline < 1 - min_gain
     speed_min_gain: float = 0.01
     speed_confidence: float = 0.95
     speed_rounds: int = 12

@@ -1,4 +1,5 @@
-"""Quality scoring: the per-completion output contract and the paired quality verdict (DESIGN 6).
+"""Quality scoring: the per-completion output contract and the paired quality verdict
+(docs/gates.md, "quality").
 
 A route that changes numerics (a new reduction order, an fp16 SSM state) can keep pass@1 about
 level while its generations degrade in ways a few unit tests miss: loops of one token, walls of
@@ -8,8 +9,9 @@ broke. The quality verdict then compares candidate and baseline on the same task
 paired pass/fail outcomes (only discordant tasks carry information), plus the contract-failure
 count and the natural-stop rate, each against the predeclared policy.
 
-The contract's numbers are DESIGN 6's, collected in :data:`CONTRACT` (printed with the results):
-they define what a well-formed completion is, and never change inside a test.
+The contract's numbers (docs/gates.md, "Output contract") are collected in :data:`CONTRACT`
+(printed with the results): they define what a well-formed completion is, and never change
+inside a test.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from pytest_dflash.policy import Policy
 
 @dataclasses.dataclass(frozen=True)
 class ContractLimits:
-    """DESIGN 6 "output contract". A rule is violated when the measure is *greater* than the limit
-    (a run of exactly ``max_same_token_run`` tokens is fine, one more is not).
+    """The output contract (docs/gates.md). A rule is violated when the measure is *greater*
+    than the limit (a run of exactly ``max_same_token_run`` tokens is fine, one more is not).
 
-    Where DESIGN leaves a detail open, this is the reading (and why):
+    Where the documented rule leaves a detail open, this is the reading (and why):
 
     - whitespace normalisation maps every whitespace character to one space, keeping the length,
       so the "windows less than half non-space are ignored" exclusion has something to exclude
@@ -150,14 +152,15 @@ def check_output_contract(
     finish_reason: str,
     min_tokens: int = 1,
 ) -> ContractResult:
-    """Check one completion against every rule of the DESIGN 6 output contract.
+    """Check one completion against every rule of the output contract (docs/gates.md).
 
     ``token_ids`` are the generated ids; without them the token rules count UTF-8 bytes, which
     is exact for byte-level models such as the reference engine (and said so in the detail).
     ``finish_reason`` is the engine's: ``"stop"`` means it stopped naturally (EOS or a stop
     string); anything else (``"length"``) is a runaway generation.
     """
-    limits = CONTRACT  # DESIGN's numbers; deliberately not a parameter, so no test can loosen them
+    # the documented numbers; deliberately not a parameter, so no test can loosen them
+    limits = CONTRACT
     if not isinstance(text, str):
         raise TypeError(f"text must be the decoded completion (str), got {type(text).__name__}")
     if not isinstance(finish_reason, str):
@@ -280,7 +283,8 @@ def summarize_quality(
     candidate_results: Sequence[Mapping[str, Any]],
     policy: Policy,
 ) -> QualitySummary:
-    """The DESIGN 6 quality verdict from per-task records of both routes (same tasks, same order).
+    """The quality verdict (docs/gates.md) from per-task records of both routes (same tasks,
+    same order).
 
     Fails when (1) the one-sided exact McNemar test finds a regression: p <= policy.quality_alpha,
     with b = tasks only the baseline passes and c = tasks only the candidate passes; (2) the

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from pytest_dflash.gates import ROLES, UnknownNameError, check_kind
+from pytest_dflash.families import Family
+from pytest_dflash.vocabulary import ROLES, UnknownNameError, check_kind
 
 
 class RegistryError(ValueError):
@@ -92,10 +93,21 @@ class Route:
 
 
 class RouteRegistry:
-    """All routes of a session, checked as a whole once every plugin had its say."""
+    """All routes and family declarations of a session, checked as a whole once every plugin
+    had its say."""
 
     def __init__(self) -> None:
         self._routes: dict[str, Route] = {}
+        self._families: dict[str, Family] = {}
+
+    def declare(self, family: Family) -> Family:
+        """Declare a family's contract and the routes its gates need (``families.Family``)."""
+        if not isinstance(family, Family):
+            raise RegistryError(f"declare() takes a Family, got {type(family).__name__}")
+        if family.name in self._families:
+            raise RegistryError(f"family {family.name!r} is declared twice")
+        self._families[family.name] = family
+        return family
 
     def register(self, route: Route) -> Route:
         if not isinstance(route, Route):
@@ -106,7 +118,9 @@ class RouteRegistry:
         return route
 
     def validate(self) -> None:
-        """Dangling baselines can only be judged after every plugin registered its routes."""
+        """Dangling names can only be judged after every plugin registered its routes."""
+        for family in self._families.values():
+            self._validate_family(family)
         for route in self._routes.values():
             if route.baseline is None:
                 continue
@@ -121,6 +135,22 @@ class RouteRegistry:
                 raise RegistryError(
                     f"route {route.name!r} and its baseline {base.name!r} are of different families"
                 )
+
+    def _validate_family(self, family: Family) -> None:
+        wanted = {"baseline": family.baseline, "oracle": family.oracle,
+                  "verify_route": family.verify_route}
+        for part, name in wanted.items():
+            if name is None:
+                continue
+            route = self._routes.get(name)
+            if route is None or route.family != family.name:
+                raise RegistryError(
+                    f"family {family.name!r} declares {part} {name!r}, which is not a registered "
+                    f"route of that family; its routes: "
+                    f"{', '.join(r.name for r in self.family(family.name)) or 'none'}")
+            if part in ("baseline", "oracle") and route.role != part:
+                raise RegistryError(f"family {family.name!r} declares {part} {name!r}, but that "
+                                    f"route is registered with role {route.role!r}")
 
     def __contains__(self, name: object) -> bool:
         return name in self._routes
@@ -154,7 +184,24 @@ class RouteRegistry:
             and (kind is None or kind in r.gates)
         ]
 
+    def family_of(self, name: str) -> Family:
+        """The declaration of family ``name``; for an undeclared family one derived from its
+        registered roles (no contract check, no verify route)."""
+        declared = self._families.get(name)
+        if declared is not None:
+            return declared
+        if name not in self.families():
+            raise UnknownNameError(f"unknown family {name!r}; known families: "
+                                   f"{', '.join(self.families())}")
+        return Family(name, contract=None, baseline=self.role(name, "baseline").name,
+                      oracle=next((r.name for r in self.family(name) if r.role == "oracle"), None))
+
     def role(self, family: str, role: str) -> Route:
+        """The family's oracle or baseline: the declared one, else the first with that role."""
+        declared = self._families.get(family)
+        name = getattr(declared, role, None) if declared is not None else None
+        if name is not None:
+            return self.get(name)
         matches = [r for r in self.family(family) if r.role == role]
         if not matches:
             raise UnknownNameError(f"family {family!r} has no {role} route registered")

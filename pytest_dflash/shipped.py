@@ -1,12 +1,26 @@
-"""The routes of the shipped stack, registered through the same hook an outside project uses."""
+"""The families and routes of the shipped stack, registered through the same hook an outside
+project uses (docs/extending.md). This is the only module that names shipped routes for the
+gates: which route is a family's baseline, oracle and verify route is declared here, once."""
 
 from __future__ import annotations
 
+from pytest_dflash.families import AttnD256, Family, GemmNvfp4, PrefillGeometry
 from pytest_dflash.registry import Route
 
 ATTN = "attn.d256"
 GEMM = "gemm.nvfp4"
 GEOMETRY = "prefill.geometry"
+
+SHIPPED_FAMILIES: tuple[Family, ...] = (
+    Family(ATTN, AttnD256, baseline=f"{ATTN}.sdpa", oracle=f"{ATTN}.oracle",
+           description="causal prefill attention, head dim 256"),
+    # speculative verify steps (M <= 8) run on the QPN2 small-M path when a prefill candidate
+    # is off: that is the behaviour a validation-cost gate must show unchanged
+    Family(GEMM, GemmNvfp4, baseline=f"{GEMM}.turbomind", oracle=f"{GEMM}.oracle",
+           verify_route=f"{GEMM}.qpn2", description="linear layers over NVFP4 weights"),
+    Family(GEOMETRY, PrefillGeometry, baseline=f"{GEOMETRY}.fp32_q3296",
+           description="SSM state dtype and prefill chunk size of the engine"),
+)
 
 SHIPPED_ROUTES: tuple[Route, ...] = (
     # causal prefill attention, head dim 256
@@ -42,5 +56,8 @@ SHIPPED_ROUTES: tuple[Route, ...] = (
 
 
 def pytest_dflash_routes(registry) -> None:
+    """Declare the shipped families and register their routes."""
+    for family in SHIPPED_FAMILIES:
+        registry.declare(family)
     for route in SHIPPED_ROUTES:
         registry.register(route)

@@ -1,4 +1,4 @@
-"""Paired statistics for the speed, validation_cost and quality gates (DESIGN section 6).
+"""Paired statistics for the speed, validation_cost and quality gates (docs/gates.md).
 
 Why paired and interleaved: a candidate and its baseline are timed in the same process, one
 right after the other, in an order drawn per round from a seeded generator, so slow drift of the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_dflash.gates import GATE_KINDS
+from pytest_dflash.vocabulary import GATE_KINDS
 
 _MARK = {"passed": "pass", "failed": "FAIL", "pending": "pending"}
 

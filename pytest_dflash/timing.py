@@ -1,4 +1,4 @@
-"""Timers and the speed gate (DESIGN section 6, "speed" and "validation_cost").
+"""Timers and the speed gate (docs/gates.md, "speed" and "validation_cost").
 
 Why this module exists: a speed claim is only evidence if both routes were timed the same way, in
 the same process, interleaved, with the cache state each run would see in production. So every

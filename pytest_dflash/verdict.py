@@ -1,4 +1,4 @@
-"""From test outcomes to gate statuses to route verdicts (DESIGN 2, 4).
+"""From test outcomes to gate statuses to route verdicts (docs/report.md).
 
 This is the only place that decides; the plugin, the merge and the CLI all call it on the
 report's data, so a verdict read back from a report is computed exactly like a live one.

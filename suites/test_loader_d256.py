@@ -1,4 +1,4 @@
-"""Loader gate of family attn.d256 (DESIGN 5 "Loader states", DESIGN 6 "loader").
+"""Loader gate of family attn.d256 (docs/gates.md, "loader").
 
 Every loader state is exercised for real, each scenario in its own interpreter, with real library
 files: the full and dense-only builds of ``kernels/csrc``, copies of the full build at other paths
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_suites._loader_scenario import Outcome, Scenario, library_files, run_scenarios
+from dflash_suites.support.loader import Outcome, Scenario, library_files, run_scenarios
 from pytest_dflash.loader import file_sha256
 
 pytestmark = pytest.mark.sm70
@@ -56,15 +56,16 @@ _RESULTS: dict[str, dict[str, Outcome]] = {}
 
 
 @pytest.fixture
-def outcomes(dflash_route, files) -> dict[str, Outcome]:
+def outcomes(dflash_gate, files) -> dict[str, Outcome]:
     """All scenarios of this route, run once (concurrently, one interpreter each)."""
-    if not isinstance(dflash_route.impl, str):
-        pytest.fail(f"{dflash_route.name}: the loader gate runs the route in child interpreters "
+    route = dflash_gate.route
+    if not isinstance(route.impl, str):
+        pytest.fail(f"{route.name}: the loader gate runs the route in child interpreters "
                     "and needs its impl as a 'module:attribute' string, got "
-                    f"{type(dflash_route.impl).__name__}")
-    if dflash_route.name not in _RESULTS:
-        _RESULTS[dflash_route.name] = run_scenarios(scenarios_for(dflash_route.impl, files))
-    return _RESULTS[dflash_route.name]
+                    f"{type(route.impl).__name__}")
+    if route.name not in _RESULTS:
+        _RESULTS[route.name] = run_scenarios(scenarios_for(route.impl, files))
+    return _RESULTS[route.name]
 
 
 def ran_natively(o: Outcome, route: str) -> None:
@@ -91,7 +92,7 @@ def clean_exit(o: Outcome) -> dict:
 
 
 @pytest.mark.gate("loader", family=FAMILY)
-def test_bundled_ops_are_real(dflash_route, outcomes, files, dflash_record):
+def test_bundled_ops_are_real(dflash_gate, outcomes, files):
     o = outcomes["bundled"]
     st = clean_exit(o)
     assert st["state"] == "bundled", o.describe()
@@ -100,23 +101,24 @@ def test_bundled_ops_are_real(dflash_route, outcomes, files, dflash_record):
     assert st["sha256"] == file_sha256(files["full"])
     assert st["cached"], "a second load_d256 call must return the cached status"
     assert fallback_warnings(o) == []
-    ran_natively(o, dflash_route.name)
-    dflash_record(figure=f"bundled {st['sha256'][:12]}, ops verified: {', '.join(st['ops'])}",
-                  scenario_seconds={n: round(s.seconds, 2) for n, s in outcomes.items()})
+    ran_natively(o, dflash_gate.route.name)
+    dflash_gate.record(figure=f"bundled {st['sha256'][:12]}, ops verified: "
+                              f"{', '.join(st['ops'])}",
+                       scenario_seconds={n: round(s.seconds, 2) for n, s in outcomes.items()})
 
 
 @pytest.mark.gate("loader", family=FAMILY)
-def test_missing_library_falls_back_with_one_warning(dflash_route, outcomes):
+def test_missing_library_falls_back_with_one_warning(dflash_gate, outcomes):
     o = outcomes["missing"]
     st = clean_exit(o)
     assert st["state"] == "missing" and st["path"] is None, o.describe()
     assert len(fallback_warnings(o)) == 1, o.warnings
-    assert "falling back to SDPA" in fallback_warnings(o)[0]
-    refused_to_run(o, dflash_route.name)
+    assert "falling back to the family baseline" in fallback_warnings(o)[0]
+    refused_to_run(o, dflash_gate.route.name)
 
 
 @pytest.mark.gate("loader", family=FAMILY)
-def test_partial_library_names_the_missing_op(dflash_route, outcomes, files):
+def test_partial_library_names_the_missing_op(dflash_gate, outcomes, files):
     o = outcomes["partial"]
     st = clean_exit(o)
     assert st["state"] == "partial", o.describe()
@@ -124,12 +126,12 @@ def test_partial_library_names_the_missing_op(dflash_route, outcomes, files):
     assert st["sha256"] == file_sha256(files["dense_only"])
     (warning,) = fallback_warnings(o)
     assert "paged" in warning and "dense," not in warning, warning
-    refused_to_run(o, dflash_route.name)
+    refused_to_run(o, dflash_gate.route.name)
 
 
 @pytest.mark.gate("loader", family=FAMILY)
 @pytest.mark.parametrize("how", ["sidecar", "sidecar_env"])
-def test_explicit_sidecar_ops_are_real(dflash_route, outcomes, files, how):
+def test_explicit_sidecar_ops_are_real(dflash_gate, outcomes, files, how):
     o = outcomes[how]
     st = clean_exit(o)
     assert st["state"] == "sidecar", o.describe()
@@ -137,7 +139,7 @@ def test_explicit_sidecar_ops_are_real(dflash_route, outcomes, files, how):
     assert st["sha256"] == file_sha256(files["sidecar_copy"])
     assert all(op["verified"] for op in st["ops"].values()), o.describe()
     assert [lib["realpath"] for lib in o.loaded] == [str(files["sidecar_copy"].resolve())]
-    ran_natively(o, dflash_route.name)
+    ran_natively(o, dflash_gate.route.name)
 
 
 @pytest.mark.gate("loader", family=FAMILY)
@@ -146,29 +148,29 @@ def test_explicit_sidecar_ops_are_real(dflash_route, outcomes, files, how):
     ("not_a_library", "not a loadable op library"),
     ("nonexistent", "does not exist"),
 ])
-def test_bad_sidecar_gives_clear_error_and_fallback(dflash_route, outcomes, case, expected):
+def test_bad_sidecar_gives_clear_error_and_fallback(dflash_gate, outcomes, case, expected):
     o = outcomes[case]
     st = clean_exit(o)
     assert st["state"] == "missing", o.describe()
     assert expected in (st["error"] or ""), o.describe()
     assert o.loaded == [], "a bad file must never be loaded into the process"
     assert len(fallback_warnings(o)) == 1 and expected in fallback_warnings(o)[0], o.warnings
-    refused_to_run(o, dflash_route.name)
+    refused_to_run(o, dflash_gate.route.name)
 
 
 @pytest.mark.gate("loader", family=FAMILY)
-def test_partial_bundled_library_makes_way_for_the_sidecar(dflash_route, outcomes, files):
+def test_partial_bundled_library_makes_way_for_the_sidecar(dflash_gate, outcomes, files):
     """A partial bundled build would claim the namespace and shut the sidecar out; the loader
     probes it first, keeps it unloaded and serves the complete sidecar."""
     o = outcomes["partial_with_sidecar"]
     st = clean_exit(o)
     assert st["state"] == "sidecar" and st["path"] == str(files["sidecar_copy"]), o.describe()
     assert [lib["realpath"] for lib in o.loaded] == [str(files["sidecar_copy"].resolve())]
-    ran_natively(o, dflash_route.name)
+    ran_natively(o, dflash_gate.route.name)
 
 
 @pytest.mark.gate("loader", family=FAMILY)
-def test_clashing_namespace_is_refused_without_abort(dflash_route, outcomes, files):
+def test_clashing_namespace_is_refused_without_abort(dflash_gate, outcomes, files):
     control = outcomes["clash_control"]
     assert control.returncode == -signal.SIGABRT, (
         "control: loading both files without the loader should abort the child, so the clash "
@@ -181,17 +183,17 @@ def test_clashing_namespace_is_refused_without_abort(dflash_route, outcomes, fil
     assert st["state"] == "sidecar" and st["path"] == str(files["sidecar_copy"]), o.describe()
     assert clash_copy not in [lib["realpath"] for lib in o.loaded]
     assert any("already registered" in w["message"] for w in o.warnings), o.warnings
-    ran_natively(o, dflash_route.name)
+    ran_natively(o, dflash_gate.route.name)
     # a namespace registered behind the loader's back: refused, and those ops are not used
     o = outcomes["clash_foreign"]
     st = clean_exit(o)
     assert "already registered" in (st["error"] or ""), o.describe()
     assert st["state"] == "missing" and o.loaded == [], o.describe()
-    refused_to_run(o, dflash_route.name)
+    refused_to_run(o, dflash_gate.route.name)
 
 
 @pytest.mark.gate("loader", family=FAMILY)
-def test_sidecar_not_loaded_while_bundled_is_complete(dflash_route, outcomes, files):
+def test_sidecar_not_loaded_while_bundled_is_complete(dflash_gate, outcomes, files):
     o = outcomes["sidecar_while_bundled"]
     st = clean_exit(o)
     assert st["state"] == "bundled", o.describe()
@@ -199,4 +201,4 @@ def test_sidecar_not_loaded_while_bundled_is_complete(dflash_route, outcomes, fi
     loaded = [lib["realpath"] for lib in o.loaded]
     assert str(files["sidecar_copy"].resolve()) not in loaded, loaded
     assert any("not loaded" in w for w in st["warnings"]), st["warnings"]
-    ran_natively(o, dflash_route.name)
+    ran_natively(o, dflash_gate.route.name)

@@ -1,4 +1,4 @@
-"""Perplexity gate of family prefill.geometry (DESIGN 6 "ppl").
+"""Perplexity gate of family prefill.geometry (docs/gates.md, "ppl").
 
 A route that changes numerics (the fp16 SSM state) must not change what the model predicts: the
 candidate's and the baseline's engines score the same held-out segments (standard-library modules
@@ -27,21 +27,20 @@ def score_segments(engine, segments: list[dict]) -> dict:
 
 
 @pytest.mark.gate("ppl", family="prefill.geometry")
-def test_ppl_heldout_segments(dflash_route, dflash_registry, dflash_engine, dflash_policy,
-                              dflash_profile, dflash_record):
+def test_ppl_heldout_segments(dflash_gate):
     """max per-segment |PPL(candidate) - PPL(baseline)| <= policy.ppl_tolerance."""
     from pytest_dflash.engines.data import ppl_segments
 
-    segments = ppl_segments(dflash_profile)
-    baseline = dflash_engine(dflash_registry.engine_selection([dflash_route.baseline]))
-    candidate = dflash_engine(dflash_registry.engine_selection([dflash_route.name]))
+    route, policy = dflash_gate.route, dflash_gate.policy
+    segments = ppl_segments(dflash_gate.profile)
+    baseline, candidate = dflash_gate.engines()
     base = score_segments(baseline, segments)
     cand = score_segments(candidate, segments)
     deltas = [abs(c - b) for c, b in zip(cand["perplexities"], base["perplexities"], strict=True)]
     worst = max(range(len(deltas)), key=deltas.__getitem__)
-    dflash_record(
+    dflash_gate.record(
         figure=f"max per-segment PPL delta {deltas[worst]:.4f} "
-               f"(tolerance {dflash_policy.ppl_tolerance}); PPL {base['perplexity']:.4f} -> "
+               f"(tolerance {policy.ppl_tolerance}); PPL {base['perplexity']:.4f} -> "
                f"{cand['perplexity']:.4f}, {cand['bits_per_byte']:.3f} bits/byte",
         max_ppl_delta=deltas[worst],
         worst_segment=segments[worst]["id"],
@@ -51,9 +50,9 @@ def test_ppl_heldout_segments(dflash_route, dflash_registry, dflash_engine, dfla
         per_segment_baseline=base["perplexities"], per_segment_candidate=cand["perplexities"],
         segments=len(segments), tokens=cand["tokens"],
     )
-    assert deltas[worst] <= dflash_policy.ppl_tolerance, (
-        f"{dflash_route.name}: segment {segments[worst]['id']} perplexity "
-        f"{base['perplexities'][worst]:.5f} (baseline {dflash_route.baseline}) -> "
+    assert deltas[worst] <= policy.ppl_tolerance, (
+        f"{route.name}: segment {segments[worst]['id']} perplexity "
+        f"{base['perplexities'][worst]:.5f} (baseline {route.baseline}) -> "
         f"{cand['perplexities'][worst]:.5f}: |delta| {deltas[worst]:.5f} > tolerance "
-        f"{dflash_policy.ppl_tolerance}"
+        f"{policy.ppl_tolerance}"
     )

@@ -1,4 +1,4 @@
-"""Quality gate of family prefill.geometry (DESIGN 6 "quality").
+"""Quality gate of family prefill.geometry (docs/gates.md, "quality").
 
 Both routes complete the same held-out coding tasks (names and constants never seen in training)
 with the predeclared decoding (greedy, ``policy.quality_max_new_tokens``, the task stop strings);
@@ -43,23 +43,22 @@ def pass_at_1(records: list[dict]) -> float:
 
 
 @pytest.mark.gate("quality", family="prefill.geometry")
-def test_quality_heldout_tasks(dflash_route, dflash_registry, dflash_engine, dflash_policy,
-                               dflash_profile, dflash_record):
+def test_quality_heldout_tasks(dflash_gate):
     """No significant pass@1 regression, no extra contract failures, no fewer natural stops."""
     from pytest_dflash.engines.data import coding_tasks
     from pytest_dflash.quality import summarize_quality
 
-    tasks = coding_tasks(dflash_profile)
-    baseline = dflash_engine(dflash_registry.engine_selection([dflash_route.baseline]))
-    candidate = dflash_engine(dflash_registry.engine_selection([dflash_route.name]))
-    base = complete_tasks(baseline, tasks, dflash_policy)
-    cand = complete_tasks(candidate, tasks, dflash_policy)
-    summary = summarize_quality(base, cand, dflash_policy)
+    route, policy = dflash_gate.route, dflash_gate.policy
+    tasks = coding_tasks(dflash_gate.profile)
+    baseline, candidate = dflash_gate.engines()
+    base = complete_tasks(baseline, tasks, policy)
+    cand = complete_tasks(candidate, tasks, policy)
+    summary = summarize_quality(base, cand, policy)
     failing = {r["task_id"]: r["violations"] for r in cand if not r["contract_ok"]}
-    dflash_record(**summary.measurements,
-                  pass_at_1_metric_baseline=pass_at_1(base),
-                  pass_at_1_metric_candidate=pass_at_1(cand),
-                  decoding={"temperature": 0.0, "max_new_tokens":
-                            dflash_policy.quality_max_new_tokens},
-                  contract_violations_candidate=failing)
-    assert summary.ok, f"{dflash_route.name}: " + "; ".join(summary.reasons)
+    dflash_gate.record(**summary.measurements,
+                       pass_at_1_metric_baseline=pass_at_1(base),
+                       pass_at_1_metric_candidate=pass_at_1(cand),
+                       decoding={"temperature": 0.0, "max_new_tokens":
+                                 policy.quality_max_new_tokens},
+                       contract_violations_candidate=failing)
+    assert summary.ok, f"{route.name}: " + "; ".join(summary.reasons)

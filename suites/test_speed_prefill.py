@@ -1,9 +1,10 @@
-"""Cold prefill speed gate of family prefill.geometry (DESIGN 6 "speed").
+"""Cold prefill speed gate of family prefill.geometry (docs/gates.md, "speed").
 
-For each of the profile's two prompt lengths (32K:64K ratio), the candidate geometry's engine and
-the baseline's prefill the same prompt interleaved in randomized order, the prefix cache reset
-before every run (cold), every run of a route yielding the same first-token hash, and the
-candidate's route hits proving its chunking really ran. Tokens/s of both go in the report.
+For each of the profile's prompt lengths (``ProfileSizes.prefill_lengths``, 32K:64K ratio), the
+candidate geometry's engine and the baseline's prefill the same prompt interleaved in randomized
+order, the prefix cache reset before every run (cold), every run of a route yielding the same
+first-token hash, and the candidate's route hits proving its chunking really ran. Tokens/s of both
+go in the report.
 """
 
 from __future__ import annotations
@@ -45,20 +46,17 @@ class PrefillRuns:
         return -(-len(self.ids) // chunk) if chunk else next(iter(self.chunks))
 
 
-@pytest.mark.gate("speed", family="prefill.geometry")
-@pytest.mark.parametrize("length_index", [0, 1], ids=["32k-ratio", "64k-ratio"])
-def test_speed_cold_prefill(length_index, dflash_route, dflash_registry, dflash_engine,
-                            dflash_policy, dflash_profile, dflash_device, dflash_record):
-    from pytest_dflash.engines.data import prompt_ids, sizes
+@pytest.mark.gate("speed", family="prefill.geometry", per_size="prefill_lengths")
+def test_speed_cold_prefill(dflash_gate, size):
+    from pytest_dflash.engines.data import prompt_ids
     from pytest_dflash.timing import speed_gate
 
-    length = sizes(dflash_profile).prefill_lengths[length_index]
+    route, length = dflash_gate.route, size
     ids = prompt_ids(length)
-    baseline = dflash_engine(dflash_registry.engine_selection([dflash_route.baseline]))
-    candidate = dflash_engine(dflash_registry.engine_selection([dflash_route.name]))
-    cand = PrefillRuns(candidate, ids, f"{dflash_route.name} @{length}")
-    base = PrefillRuns(baseline, ids, f"{dflash_route.baseline} @{length}")
-    hits_before = candidate.route_hits().get(dflash_route.name, 0)
+    baseline, candidate = dflash_gate.engines()
+    cand = PrefillRuns(candidate, ids, f"{route.name} @{length}")
+    base = PrefillRuns(baseline, ids, f"{route.baseline} @{length}")
+    hits_before = candidate.route_hits().get(route.name, 0)
     measured: dict = {}
 
     def before_each() -> None:
@@ -66,26 +64,27 @@ def test_speed_cold_prefill(length_index, dflash_route, dflash_registry, dflash_
         base.reset()
 
     try:
-        speed_gate(cand, base, policy=dflash_policy, device=dflash_device, record=measured.update,
-                   label=f"{dflash_route.name} cold prefill {length} tokens",
+        speed_gate(cand, base, policy=dflash_gate.policy,
+                   device=dflash_gate.device, record=measured.update,
+                   label=f"{route.name} cold prefill {length} tokens",
                    before_each=before_each)
         failure = None
     except AssertionError as exc:
         failure = exc
     samples = measured.get("samples", {})
     rates = {name: length / sorted(s)[len(s) // 2] for name, s in samples.items() if s}
-    ran = candidate.route_hits().get(dflash_route.name, 0) - hits_before
-    dflash_record(**measured, prompt_tokens=length,
-                  tokens_per_s_candidate=rates.get("candidate"),
-                  tokens_per_s_baseline=rates.get("baseline"),
-                  candidate_chunk_dispatches=ran,
-                  chunk_tokens={"candidate": getattr(candidate, "chunk", None),
-                                "baseline": getattr(baseline, "chunk", None)})
+    ran = candidate.route_hits().get(route.name, 0) - hits_before
+    dflash_gate.record(**measured, prompt_tokens=length,
+                       tokens_per_s_candidate=rates.get("candidate"),
+                       tokens_per_s_baseline=rates.get("baseline"),
+                       candidate_chunk_dispatches=ran,
+                       chunk_tokens={"candidate": getattr(candidate, "chunk", None),
+                                     "baseline": getattr(baseline, "chunk", None)})
     # the evidence must be real before the timing verdict counts
     cand_hash, base_hash = cand.check(), base.check()
     assert ran >= cand.runs > 0, (
-        f"{dflash_route.name} recorded {ran} route hits over {cand.runs} prefills: the candidate "
+        f"{route.name} recorded {ran} route hits over {cand.runs} prefills: the candidate "
         f"geometry did not run (hits {candidate.route_hits()})")
-    dflash_record(first_token_hash_candidate=cand_hash, first_token_hash_baseline=base_hash)
+    dflash_gate.record(first_token_hash_candidate=cand_hash, first_token_hash_baseline=base_hash)
     if failure is not None:
         raise failure

@@ -21,7 +21,8 @@ from dflash_kernels.gemm import (
     workspace_bytes_per_tile,
 )
 from dflash_kernels.nvfp4 import GLOBAL_DIVISOR, NVFP4Weight, quantize
-from dflash_suites import test_validation_cost_gemm as vc_suite
+from dflash_suites.support import check_same_kernels
+from dflash_suites.support.gemm import run_validation_cost
 from pytest_dflash import hits
 from pytest_dflash.numerics import assert_bitwise_equal, check_parity
 from pytest_dflash.policy import Policy
@@ -172,9 +173,9 @@ def test_broken_dispatch_fails_the_validation_cost_gate() -> None:
     with gemm._unchecked_dispatch_for_testing():
         broken = QPN2PackedRoute(min_prefill_m=1)
         with pytest.raises(AssertionError, match="route hits differ") as info:
-            vc_suite.run_validation_cost(QPN2_PACKED.name, broken, QPN2, policy=POLICY,
-                                         profile="quick", device=torch.device("cpu"),
-                                         record=lambda **kw: None)
+            run_validation_cost(QPN2_PACKED.name, broken, QPN2, policy=POLICY,
+                                profile="quick", device=torch.device("cpu"),
+                                record=lambda **kw: None)
     assert "qpn4_bounded/large_m" in str(info.value)
 
 
@@ -185,7 +186,7 @@ def test_same_kernels_check_accepts_the_real_dispatch() -> None:
         QPN2_PACKED.linear(x, QPN2_PACKED.prepare(w))
     with hits.counting() as disabled:
         QPN2.linear(x, QPN2.prepare(w))
-    got = vc_suite.check_same_kernels(QPN2_PACKED.name, enabled, disabled, "M=8")
+    got = check_same_kernels(QPN2_PACKED.name, enabled, disabled, "M=8")
     assert got == {"gemm.nvfp4.qpn2/small_m": 1, "gemm.nvfp4.qpn2_packed/small_m": 1}
 
 

@@ -124,7 +124,7 @@ def test_rel_l2_catches_systematic_bias_within_elementwise_bound():
 
 
 def test_global_scale_convention_error_is_caught_without_reference():
-    """DESIGN 5: a wrong NVFP4 global-scale convention shows as a factor 6 * 448 = 2688."""
+    """docs/families.md: a wrong NVFP4 global-scale convention shows as a factor 6 * 448 = 2688."""
     _, _, oracle, _ = _matmul_case()
     wrong = (oracle / 2688).float()
     result = check_parity(wrong, oracle, policy=POLICY, dtype="float32", label="nvfp4")

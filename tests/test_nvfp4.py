@@ -1,4 +1,4 @@
-"""NVFP4 quantize / dequantize / validate against the format's definition (DESIGN 5)."""
+"""NVFP4 quantize / dequantize / validate against the format's definition (docs/families.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The DESIGN 6 output contract, rule by rule at each boundary, and the paired quality verdict."""
+"""The output contract (docs/gates.md), rule by rule at each boundary, and the paired quality
+verdict."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 // Causal prefill attention with head dim 256 for the CPU: the `dflash_d256` op namespace.
 //
-// Ops (schemas in TORCH_LIBRARY below, shapes per DESIGN 5):
+// Ops (schemas in TORCH_LIBRARY below, shapes in docs/families.md):
 //   dense(q [Tq,Hq,256], k [Tk,Hkv,256], v [Tk,Hkv,256], out [Tq,Hq,256]!, softmax_scale, causal)
 //   paged(q, k_cache [NB,BS,Hkv,256], v_cache, block_table [nsb] int32, kv_len, out!, scale, causal)
 //   dense_splitkv(q, k, v, out!, softmax_scale, causal, num_splits)      (optional)

@@ -1,4 +1,4 @@
-"""Engines for model-level gates: the protocol every engine offers (DESIGN 4).
+"""Engines for model-level gates: the protocol every engine offers (docs/extending.md).
 
 The embedded default is the reference engine (``pytest_dflash.engines.reference``); an engine
 over an OpenAI-compatible server is ``pytest_dflash.engines.openai_server``; other engines plug

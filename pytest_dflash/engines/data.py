@@ -1,9 +1,8 @@
-"""Held-out data and per-profile sizes of the model-level gates (ppl, quality, speed, validation).
+"""Held-out data of the model-level gates (ppl, quality, prefill speed, engine validation cost).
 
 The JSONL files ship in ``dflash_fixtures/data`` and are read with ``datasets`` (offline: the
 hub is never asked), so a real engine's project can point the same gates at its own JSONL files.
-Sizes per profile are fixed here, in one table, so every gate of a profile measures the same
-amount of work on every run.
+How much of them a profile uses is declared with every other size in ``pytest_dflash.profiles``.
 """
 
 from __future__ import annotations
@@ -11,33 +10,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_dflash.gates import PROFILES
+from pytest_dflash.profiles import SIZES as SIZES  # former home of the table: re-exported
+from pytest_dflash.profiles import ProfileSizes, sizes
 
-
-@dataclass(frozen=True)
-class Sizes:
-    ppl_segments: int  # held-out segments scored
-    ppl_bytes: int  # bytes of each segment scored (BOS-prefixed)
-    quality_tasks: int  # held-out coding tasks generated per route
-    prefill_lengths: tuple[int, int]  # cold prefill prompt lengths, in the 32K:64K ratio
-    verify_prompt: int  # prompt length prefilled before the verify steps
-
-
-SIZES: dict[str, Sizes] = {
-    "quick": Sizes(2, 128, 4, (256, 512), 64),
-    "ci": Sizes(8, 512, 20, (512, 1024), 512),
-    "full": Sizes(16, 1024, 300, (32768, 65536), 4096),
-}
-
-
-def sizes(profile: str) -> Sizes:
-    if profile not in SIZES:
-        raise ValueError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
-    return SIZES[profile]
+# Former name of the per-profile sizes, which now live in pytest_dflash.profiles with every
+# other profile-dependent size; kept for code that imported it from here.
+Sizes = ProfileSizes
 
 
 PPL_FILE = "ppl_segments.jsonl"

@@ -1,4 +1,5 @@
-"""Routes of the ``prefill.geometry`` family: SSM state dtype + prefill chunk size (DESIGN 5).
+"""Routes of the ``prefill.geometry`` family: SSM state dtype + prefill chunk size
+(docs/families.md).
 
 The target deployment prefilled in chunks of Q = 3296 or 6592 tokens with an fp32 SSM state and
 7920 tokens with an fp16 state (a 2-byte state fits more tokens in the same aligned cache block).
@@ -12,10 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pytest_dflash.gates import PROFILES
+from pytest_dflash.profiles import SIZES
+from pytest_dflash.vocabulary import PROFILES
 
 # full = the deployment's sizes; ci and quick divide every chunk by the same factor
-PROFILE_DIVISOR: dict[str, int] = {"full": 1, "ci": 8, "quick": 16}
+# (ProfileSizes.geometry_divisor; kept under this name for code that reads it)
+PROFILE_DIVISOR: dict[str, int] = {name: s.geometry_divisor for name, s in SIZES.items()}
 KV_BLOCK_SIZE = 32  # tokens per paged-KV block (every chunk size below is a multiple of 1)
 
 

@@ -1,4 +1,5 @@
-"""The reference model of DESIGN 7: a small hybrid of gated-delta-rule SSM and attention layers.
+"""The reference model: a small hybrid of gated-delta-rule SSM and attention layers
+(docs/reference-model.md).
 
 Everything numeric that training and the reference engine share lives here, so the engine runs
 exactly the arithmetic the weights were trained with:
@@ -249,8 +250,8 @@ FP4_MAX = 6.0
 
 
 def nvfp4_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize w [N, K] the NVFP4 way of DESIGN 5: returns (codes uint8 [N, K] of 4 bits, sign
-    in bit 3; block scales float8_e4m3fn [N, K/16]; global fp32 = amax / (6 * 448))."""
+    """Quantize w [N, K] the NVFP4 way (docs/families.md): returns (codes uint8 [N, K] of 4 bits,
+    sign in bit 3; block scales float8_e4m3fn [N, K/16]; global fp32 = amax / (6 * 448))."""
     n, k = w.shape
     if k % 16:
         raise ValueError(f"NVFP4 needs K % 16 == 0, got weight of shape {tuple(w.shape)}")

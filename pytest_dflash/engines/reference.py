@@ -1,4 +1,5 @@
-"""The embedded reference engine (DESIGN 4 engine protocol, DESIGN 7 model).
+"""The embedded reference engine (docs/reference-model.md; the engine
+protocol: docs/extending.md).
 
 It runs the trained hybrid model of ``fixtures/model`` through the *selected routes*: attention
 through the ``attn.d256`` route object (dense op for the first prefill chunk, paged op over the

@@ -1,4 +1,4 @@
-"""Loader scenarios, each run in its own interpreter (DESIGN 6, "loader").
+"""Loader scenarios, each run in its own interpreter (docs/gates.md, "loader").
 
 Why a child interpreter per scenario: loading native libraries is irreversible within a process,
 and the clash scenario's failure mode is a SIGABRT of the whole process. A child reports its
@@ -8,7 +8,7 @@ checked, not assumed.
 The parent side is :func:`library_files` (real library files: the full and dense-only builds of
 ``kernels/csrc`` plus a copy, random bytes and a text file) and :func:`run_scenarios` (all
 scenarios started at once, as separate processes, to keep the gate inside its time budget).
-Run as ``python -m dflash_suites._loader_scenario SPEC_JSON`` for the child side.
+Run as ``python -m dflash_suites.support.loader SPEC_JSON`` for the child side.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def run_scenarios(scenarios: list[Scenario]) -> dict[str, Outcome]:
     for scenario in scenarios:
         spec = json.dumps(scenario.__dict__)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash_suites._loader_scenario", spec],
+            [sys.executable, "-m", "dflash_suites.support.loader", spec],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(scenario),
         )
         started.append((scenario, proc, time.perf_counter()))

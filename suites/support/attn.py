@@ -1,0 +1,94 @@
+"""Support for the attn.d256 gates: seeded inputs, paged caches, and contract calls that prove
+what ran (one route hit on the candidate itself) into poisoned output buffers.
+
+Every candidate is called through the family contract (``pytest_dflash.families.AttnD256``):
+``dense`` / ``paged`` write into a caller-owned ``out``, so another project's route is gated
+exactly like the shipped one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dflash_suites.support import no_zeros
+from pytest_dflash import hits
+from pytest_dflash.numerics import ParityResult, check_parity, poison_
+
+if TYPE_CHECKING:
+    from pytest_dflash.gate import GateContext
+
+D = 256
+SCALE = D ** -0.5
+
+
+def make_qkv(tq: int, tk: int, hq: int, hkv: int, *, seed: int, dtype: torch.dtype,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded inputs without exact zeros (a zero hides a wrong index)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return no_zeros(torch.randn(*shape, generator=gen)).to(device=device, dtype=dtype)
+
+    return draw(tq, hq, D), draw(tk, hkv, D), draw(tk, hkv, D)
+
+
+def to_pages(k: torch.Tensor, v: torch.Tensor, block_size: int, *, seed: int):
+    """k/v scattered over a paged cache with spare blocks and a shuffled block table."""
+    tk, hkv, _ = k.shape
+    used = -(-tk // block_size)
+    num_blocks = used + 3
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randperm(num_blocks, generator=gen)[:used].to(torch.int32)
+    k_cache = torch.randn(num_blocks, block_size, hkv, D, generator=gen).to(k)
+    v_cache = torch.randn(num_blocks, block_size, hkv, D, generator=gen).to(v)
+    for i, block in enumerate(table.tolist()):
+        n = min(block_size, tk - i * block_size)
+        k_cache[block, :n] = k[i * block_size : i * block_size + n]
+        v_cache[block, :n] = v[i * block_size : i * block_size + n]
+    return k_cache, v_cache, table.to(k.device)
+
+
+class AttnCalls:
+    """The gate's candidate, oracle and same-dtype reference (the baseline), called through
+    the contract into poisoned buffers."""
+
+    def __init__(self, gate: GateContext) -> None:
+        self.name = gate.route.name
+        self.impl, self.oracle, self.reference = gate.impl, gate.oracle, gate.baseline
+
+    @staticmethod
+    def call(obj: Any, op: str, q: torch.Tensor, *args: Any) -> torch.Tensor:
+        """``obj.op(q, *args)`` with a poisoned ``out`` inserted before (softmax_scale, causal),
+        which is where both contract calls take it."""
+        out = poison_(torch.empty_like(q))
+        getattr(obj, op)(q, *args[:-2], out, *args[-2:])
+        return out
+
+    def candidate(self, op: str, q: torch.Tensor, *args: Any, label: str) -> torch.Tensor:
+        """The candidate's call; it must record exactly one hit, on itself."""
+        with hits.counting() as delta:
+            out = self.call(self.impl, op, q, *args)
+        if delta.as_json() != {f"{self.name}/{op}": 1}:
+            raise AssertionError(
+                f"{label}: {self.name}.{op} must record exactly one hit on itself, got "
+                f"{delta.as_json()} (silent fallback or uncounted call?)")
+        return out
+
+    def oracle_of(self, q, k, v, causal) -> torch.Tensor:
+        """fp64 attention: the oracle called in fp64 (so nothing is rounded to the test dtype)."""
+        return self.call(self.oracle, "dense", q.double(), k.double(), v.double(), SCALE, causal)
+
+
+def dense_case(gate: GateContext, calls: AttnCalls, shape: tuple[int, int, int, int],
+               dtype: torch.dtype, causal: bool) -> ParityResult:
+    """One dense case judged against the oracle with the three-way rule."""
+    tq, tk, hq, hkv = shape
+    q, k, v = make_qkv(tq, tk, hq, hkv, seed=gate.seed("dense", *shape), dtype=dtype,
+                       device=gate.device)
+    label = f"dense Tq={tq} Tk={tk} Hq={hq} Hkv={hkv} causal={causal}"
+    out = calls.candidate("dense", q, k, v, SCALE, causal, label=label)
+    ref = calls.call(calls.reference, "dense", q, k, v, SCALE, causal)
+    return check_parity(out, calls.oracle_of(q, k, v, causal), ref, policy=gate.policy,
+                        dtype=dtype, label=label)

@@ -1,0 +1,230 @@
+"""Support for the gemm.nvfp4 gates: target shapes per profile, seeded inputs, one parity case,
+the candidate/baseline pair of the speed gates, and the op-level validation-cost gate.
+
+Every candidate is called through the family contract (``pytest_dflash.families.GemmNvfp4``),
+so a route registered by another project is gated exactly like a shipped one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dflash_kernels.gemm import MAX_VERIFY_M, as_gemm_route, poisoned_buffers
+from dflash_kernels.nvfp4 import NVFP4Weight, quantize
+from dflash_suites.support import assert_route_ran, check_same_kernels, no_zeros
+from pytest_dflash import hits
+from pytest_dflash.environment import gate_dtype
+from pytest_dflash.gate import case_seed
+from pytest_dflash.numerics import ParityResult, check_parity
+from pytest_dflash.policy import Policy
+from pytest_dflash.profiles import sizes
+
+if TYPE_CHECKING:
+    from pytest_dflash.gate import GateContext
+
+# (K, N) of the target deployment's projections (docs/gates.md, "gemm.nvfp4") and its prefill
+# chunk M (Q3296); profiles divide them by ProfileSizes.gemm_divisor.
+TARGET_LAYERS: dict[str, tuple[int, int]] = {
+    "gate_up": (5120, 8704),
+    "down": (4352, 5120),
+    "qkv": (5120, 3584),
+    "o": (1536, 5120),
+}
+TARGET_M = 3296
+# Odd M at the contract edges: every verify width, one past it, one past the QPN2 block of 32.
+ODD_M = (*range(1, MAX_VERIFY_M + 1), MAX_VERIFY_M + 1, 33)
+# A padded, fused-able N (45 + 45 rows, padded to 96) for the odd-M cases.
+ODD_SHAPE = (128, 90)
+
+
+def layer_shape(layer: str, profile: str) -> tuple[int, int]:
+    """(K, N) of a target layer scaled for ``profile``: K rounded up to the QPN K % 64
+    contract, N scaled down; the fused gate/up N stays twice the down projection's K, so
+    the MLP still chains (full: 8704 = 2 x 4352)."""
+    if layer == "gate_up":
+        k = layer_shape("qkv", profile)[0]
+        return k, 2 * layer_shape("down", profile)[0]
+    k, n = TARGET_LAYERS[layer]
+    div = sizes(profile).gemm_divisor
+    return math.ceil(k / div / 64) * 64, n // div
+
+
+def large_m(profile: str) -> int:
+    """The prefill chunk M of ``profile``."""
+    return TARGET_M // sizes(profile).gemm_divisor
+
+
+def make_weight(
+    n: int, k: int, *, seed: int, device: torch.device, magnitude: float = 0.05
+) -> NVFP4Weight:
+    """A seeded ``[n, k]`` weight quantized to NVFP4."""
+    gen = torch.Generator().manual_seed(seed)
+    return quantize((torch.randn(n, k, generator=gen) * magnitude).to(device))
+
+
+def make_x(
+    m: int, k: int, *, seed: int, dtype: torch.dtype, device: torch.device,
+    magnitude: float = 1.0,
+) -> torch.Tensor:
+    """Seeded activations with no exact zeros (a zero hides a wrong weight)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = no_zeros(torch.randn(m, k, generator=gen)) * magnitude
+    return x.to(device=device, dtype=dtype)
+
+
+def parity_case(
+    route_name: str,
+    impl: Any,
+    oracle: Any,
+    reference: Any,
+    w: NVFP4Weight,
+    x: torch.Tensor,
+    *,
+    gated: bool,
+    policy: Policy,
+    label: str,
+) -> ParityResult:
+    """Run one case through the family contract and judge it (type B: three-way rule).
+
+    Raises AssertionError when the candidate recorded no route hits or returned the wrong
+    shape or dtype; returns the ParityResult otherwise (the caller decides and records).
+    """
+    call = "gate_up" if gated else "linear"
+    prepared = impl.prepare(w)
+    with hits.counting() as delta, poisoned_buffers():
+        out = getattr(impl, call)(x, prepared)
+    assert_route_ran(delta, route_name, label)
+    n_out = w.n // 2 if gated else w.n
+    if tuple(out.shape) != (x.shape[0], n_out) or out.dtype != x.dtype:
+        raise AssertionError(
+            f"{label}: {call} returned {tuple(out.shape)} {out.dtype}, expected "
+            f"{(x.shape[0], n_out)} {x.dtype}"
+        )
+    expected = getattr(oracle, call)(x.double(), oracle.prepare(w))
+    ref = getattr(reference, call)(x, reference.prepare(w))
+    return check_parity(out, expected, ref, policy=policy, dtype=x.dtype, label=label)
+
+
+def gate_parity_case(gate: GateContext, w: NVFP4Weight, x: torch.Tensor, *, gated: bool,
+                     label: str) -> ParityResult:
+    """:func:`parity_case` for the gate's candidate, its family oracle and its baseline."""
+    return parity_case(gate.route.name, gate.impl, gate.oracle, gate.baseline, w, x,
+                       gated=gated, policy=gate.policy, label=label)
+
+
+class GemmPair:
+    """Candidate and baseline of one target layer, prepared once, as zero-argument calls."""
+
+    def __init__(self, gate: GateContext, layer: str) -> None:
+        self.gate = gate
+        self.k, self.n = layer_shape(layer, gate.profile)
+        self.m = large_m(gate.profile)
+        self.gated = layer == "gate_up"
+        self.label = f"{layer} M={self.m} K={self.k} N={self.n}"
+        self.w = make_weight(self.n, self.k, seed=gate.seed("speed", layer), device=gate.device)
+        self.x = make_x(self.m, self.k, seed=gate.seed("speed", layer, "x"), dtype=gate.dtype,
+                        device=gate.device)
+        call = "gate_up" if self.gated else "linear"
+        impl, baseline = gate.impl, gate.baseline
+        cand_w, base_w = impl.prepare(self.w), baseline.prepare(self.w)
+        impl_call, base_call = getattr(impl, call), getattr(baseline, call)
+        self.candidate = lambda: impl_call(self.x, cand_w)
+        self.reference = lambda: base_call(self.x, base_w)
+
+    def check_output(self) -> None:
+        """A fast wrong kernel is not a faster route: judge the output before timing it."""
+        result = gate_parity_case(self.gate, self.w, self.x, gated=self.gated, label=self.label)
+        if not result.ok:
+            raise AssertionError(f"wrong output, speed not measured: {result.message()}")
+
+    def workspace(self) -> dict[str, Any]:
+        """Peak and bound of the candidate's workspace, when it has one."""
+        peak = getattr(self.gate.impl, "workspace_peak_bytes", None)
+        if peak is None:
+            return {}
+        return {"workspace_peak_bytes": peak(self.gate.device),
+                "workspace_bound_bytes": self.gate.impl.workspace_bytes}
+
+
+def check_workspace(measured: dict[str, Any]) -> None:
+    """A candidate's workspace peak must lie in (0, its declared bound]."""
+    if measured and not 0 < measured["workspace_peak_bytes"] <= measured["workspace_bound_bytes"]:
+        raise AssertionError(f"workspace peak outside (0, bound]: {measured}")
+
+
+def _verify_step(impl: Any, x: torch.Tensor, gate_up: Any, down: Any) -> Callable[[], Any]:
+    return lambda: impl.linear(impl.gate_up(x, gate_up), down)
+
+
+def run_validation_cost(candidate_name: str, candidate: Any, disabled: Any, *, policy: Policy,
+                        profile: str, device: torch.device,
+                        record: Callable[..., None]) -> dict[str, Any]:
+    """The op-level validation-cost gate for one candidate (docs/gates.md, "validation_cost").
+
+    ``disabled`` is the family's verify route, what serves M <= 8 with the candidate off. For
+    each verify width M one MLP step (gate/up, then down) runs with the candidate on and off:
+    the kernels that served it must be identical apart from the candidate's own dispatch
+    records, then paired timing must show no regression beyond the noise floor, and the shared
+    prefill workspace must not grow. Raises AssertionError naming every failing M.
+    """
+    from pytest_dflash.timing import speed_gate
+
+    candidate = as_gemm_route(candidate, candidate_name)
+    k_gu, n_gu = layer_shape("gate_up", profile)
+    k_down, n_down = layer_shape("down", profile)
+    w_gu = make_weight(n_gu, k_gu, seed=case_seed(policy, "vc", "gate_up"), device=device)
+    w_down = make_weight(n_down, k_down, seed=case_seed(policy, "vc", "down"), device=device)
+    on = (candidate.prepare(w_gu), candidate.prepare(w_down))
+    off = (disabled.prepare(w_gu), disabled.prepare(w_down))
+    dtype = gate_dtype(device)
+    peak_fn = getattr(candidate, "workspace_peak_bytes", None)
+    peak_before = peak_fn(device) if peak_fn else None
+
+    steps = {}
+    route_hits = {}
+    for m in range(1, policy.validation_max_m + 1):
+        x = make_x(m, k_gu, seed=case_seed(policy, "vc", m), dtype=dtype, device=device)
+        step_on = _verify_step(candidate, x, *on)
+        step_off = _verify_step(disabled, x, *off)
+        with hits.counting() as enabled:
+            step_on()
+        with hits.counting() as without:
+            step_off()
+        route_hits[m] = check_same_kernels(candidate_name, enabled, without, f"verify M={m}")
+        steps[m] = (step_on, step_off)
+
+    figures, failures, worst = {}, [], None
+    for m, (step_on, step_off) in steps.items():
+        per_m: dict[str, Any] = {}
+        try:
+            result = speed_gate(step_on, step_off, policy=policy, device=device,
+                                record=per_m.update, label=f"verify M={m}",
+                                rule="no_regression")
+            if worst is None or result.ci_high > worst[1].ci_high:
+                worst = (m, result)
+        except AssertionError as exc:
+            failures.append(str(exc))
+        figures[f"m{m}"] = per_m
+    peak_after = peak_fn(device) if peak_fn else None
+    measurements: dict[str, Any] = {
+        "per_m": figures,
+        "route_hits": route_hits,
+        "workspace_peak_bytes_before": peak_before,
+        "workspace_peak_bytes_after": peak_after,
+    }
+    if failures:
+        measurements["figure"] = f"{len(failures)}/{len(steps)} verify widths regressed"
+    else:
+        m, result = worst
+        measurements["figure"] = f"worst M={m}: {result.figure()} (hits identical, M=1..8)"
+    record(**measurements)
+    if failures:
+        raise AssertionError("validation cost exceeded:\n" + "\n".join(failures))
+    if peak_before != peak_after:
+        raise AssertionError(f"verify steps grew the prefill workspace from {peak_before} to "
+                             f"{peak_after} bytes: M <= 8 touched the large-M path")
+    return measurements
