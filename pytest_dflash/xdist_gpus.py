@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from pytest_dflash import gpus
-from pytest_dflash.gates import EXCLUSIVE_KINDS
+from pytest_dflash.vocabulary import EXCLUSIVE_KINDS
 
 PLAN = pytest.StashKey["list[gpus.Gpu] | None"]()
 WORKER_GPU = pytest.StashKey["gpus.Gpu | None"]()
