@@ -312,7 +312,7 @@ def serve(host: str, port: int, profile: str | None, device: str | None, plugins
     import uvicorn
 
     from pytest_dflash.engines import reference
-    from pytest_dflash.gates import PROFILES
+    from pytest_dflash.vocabulary import PROFILES
 
     profile = profile or os.environ.get(PROFILE_ENV) or "ci"
     if profile not in PROFILES:

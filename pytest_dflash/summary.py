@@ -61,7 +61,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     candidate is not accepted. GitHub renders it as is; nothing in it needs HTML except the
     collapsible figure list, which degrades to plain text elsewhere.
     """
-    from pytest_dflash.gates import GATE_KINDS
+    from pytest_dflash.vocabulary import GATE_KINDS
 
     routes = report["routes"]
     tally = counts(report)
