@@ -50,6 +50,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="merge this run's results into the existing report (same evidence only)")
     group.addoption("--dflash-strict", action="store_true", default=None,
                     help="fail the run if a selected candidate is left pending (CI gate jobs)")
+    group.addoption("--dflash-allow-unjailed", action="store_true", default=False,
+                    help="score generated code even where no file-system jail can be built "
+                         "(the host's files readable to it); recorded in the report "
+                         "(docs/security.md)")
     parser.addini("dflash_device", "default for --dflash-device", default="auto")
     parser.addini("dflash_profile", "default for --dflash-profile", default="")
     parser.addini("dflash_report", "default for --dflash-report", default=DEFAULT_REPORT)

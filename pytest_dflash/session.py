@@ -27,6 +27,7 @@ from pytest_dflash.environment import (
 from pytest_dflash.loader import SIDECAR_ENV
 from pytest_dflash.policy import Policy, PolicyError, load_policy
 from pytest_dflash.registry import RegistryError, Route, RouteRegistry
+from pytest_dflash.sandbox import ALLOW_UNJAILED_ENV
 from pytest_dflash.table import render
 from pytest_dflash.vocabulary import UnknownNameError, check_kind
 
@@ -83,6 +84,8 @@ def start(config: pytest.Config) -> DflashState:
         if not path.exists():
             raise pytest.UsageError(f"--dflash-sidecar {sidecar}: no such file")
         os.environ[SIDECAR_ENV] = str(path)
+    if config.getoption("dflash_allow_unjailed"):
+        os.environ[ALLOW_UNJAILED_ENV] = "1"  # reaches xdist workers and the sandbox
     if option(config, "device") == "cuda":
         device_info(config)  # an explicit device is checked now, as a usage error
     if not hasattr(config, "workerinput"):
@@ -179,6 +182,7 @@ class EvidenceCollector:
             "exitstatus": int(exitstatus),
             "interrupted": int(exitstatus) == int(pytest.ExitCode.INTERRUPTED),
             "strict": bool(option(config, "strict")),
+            "allow_unjailed": os.environ.get(ALLOW_UNJAILED_ENV) == "1",
         }
         if option(config, "merge") and self.report_path.exists():
             try:

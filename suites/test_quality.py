@@ -47,7 +47,12 @@ def test_quality_heldout_tasks(dflash_gate):
     """No significant pass@1 regression, no extra contract failures, no fewer natural stops."""
     from pytest_dflash.engines.data import coding_tasks
     from pytest_dflash.quality import summarize_quality
+    from pytest_dflash.sandbox import SandboxUnavailable, check_permitted
 
+    try:  # before generating: without a jail (and no opt-in) the gate stays pending
+        isolation = check_permitted()
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
     route, policy = dflash_gate.route, dflash_gate.policy
     tasks = coding_tasks(dflash_gate.profile)
     baseline, candidate = dflash_gate.engines()
@@ -60,5 +65,6 @@ def test_quality_heldout_tasks(dflash_gate):
                        pass_at_1_metric_candidate=pass_at_1(cand),
                        decoding={"temperature": 0.0, "max_new_tokens":
                                  policy.quality_max_new_tokens},
-                       contract_violations_candidate=failing)
+                       contract_violations_candidate=failing,
+                       sandbox_isolation=list(isolation))
     assert summary.ok, f"{route.name}: " + "; ".join(summary.reasons)

@@ -631,3 +631,41 @@ def test_bad_limits_are_clear_errors(overrides, message):
 def test_unencodable_program_is_a_clear_error():
     with pytest.raises(ValueError, match="program is not encodable as UTF-8"):
         run("x = '\ud800'\n")
+
+
+# ------------------------------------------------------------------------ the pytest option
+
+_TOY_CONFTEST = """
+from pytest_dflash import Route
+
+def pytest_dflash_routes(registry):
+    registry.register(Route("toy.add.base", "toy.add", "baseline"))
+    registry.register(Route("toy.add.fast", "toy.add", "candidate", baseline="toy.add.base",
+                            gates=("parity",)))
+"""
+
+_TOY_GATE = """
+import os
+import pytest
+
+@pytest.mark.gate("parity", family="toy.add")
+def test_parity(dflash_route, dflash_record):
+    dflash_record(figure="env " + os.environ.get("DFLASH_ALLOW_UNJAILED", "unset"))
+"""
+
+
+@pytest.mark.parametrize("opt_in", [False, True], ids=["default", "opted-in"])
+def test_the_report_records_the_unjailed_opt_in(pytester: pytest.Pytester,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                opt_in: bool) -> None:
+    import json
+
+    monkeypatch.setenv(sandbox.ALLOW_UNJAILED_ENV, "0")  # restored after the in-process run
+    pytester.makeconftest(_TOY_CONFTEST)
+    pytester.makepyfile(test_gate=_TOY_GATE)
+    args = ["-p", "no:cacheprovider", *(["--dflash-allow-unjailed"] if opt_in else [])]
+    pytester.runpytest(*args).assert_outcomes(passed=1)
+    report = json.loads((pytester.path / "dflash-report.json").read_text())
+    assert report["session"]["allow_unjailed"] is opt_in
+    figure = report["routes"]["toy.add.fast"]["gates"]["parity"]["figure"]
+    assert figure == ("env 1" if opt_in else "env 0")  # what the sandbox reads in the tests
