@@ -22,7 +22,7 @@ from dflash_kernels.gemm import (
     shared_workspace,
     workspace_bytes_per_tile,
 )
-from dflash_kernels.nvfp4 import quantize
+from dflash_kernels.nvfp4 import NVFP4Weight, quantize
 from pytest_dflash import hits
 from pytest_dflash.numerics import assert_bitwise_equal
 
@@ -202,3 +202,63 @@ def test_op_argument_errors_name_the_problem() -> None:
     with pytest.raises(ValueError, match="raise workspace_bytes to at least"):
         packed(_x(40, 128), w.buffer, w.scales, None, w.global_scale, w.n, w.k, 33, ws, 100,
                False)
+
+
+# ---------------------------------------------------------------------------------- CUDA
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device (the CUDA kernels of dflash_qpn)")
+# fp16 inputs on CUDA: the large-M workspace holds fp16 values (one rounding per weight)
+CUDA_TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3}
+
+
+def _cuda_weight(n: int, k: int, seed: int = 0) -> NVFP4Weight:
+    w = _weight(n, k, seed)
+    return NVFP4Weight(w.packed.cuda(), w.scales.cuda(), w.global_scale, w.shape)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_kernels_match_the_reference(dtype) -> None:
+    """qpn2 (WMMA for fp16, SIMT for fp32) and qpn4_bounded (fp16/fp32 workspace + cuBLAS)
+    against the torch reference on the same device, every M around the block edges."""
+    for n, k in ((90, 64), (200, 1024), (512, 320)):
+        w = QPN2.prepare(_cuda_weight(n, k, seed=n))
+        bound = 2 * workspace_bytes_per_tile(k) + 100
+        route4 = QPN4BoundedRoute(workspace_bytes=bound)
+        for m in (1, 3, 8, 9, 17, 32, 33, 70):
+            x = _x(m, k, dtype, seed=m).cuda()
+            for gated in (False, True):
+                label = f"{n}x{k} M={m} gated={gated}"
+                got = QPN2.gate_up(x, w) if gated else QPN2.linear(x, w)
+                want = ref.qpn2_linear(x, w, gated)
+                assert _rel(got, want) <= CUDA_TOLERANCE[dtype], f"qpn2 {label}"
+                got = route4.gate_up(x, w) if gated else route4.linear(x, w)
+                want = ref.qpn4_bounded_linear(x, w, bound, gated)
+                assert _rel(got, want) <= CUDA_TOLERANCE[dtype], f"qpn4_bounded {label}"
+        assert 0 < route4.workspace_peak_bytes("cuda") <= bound
+
+
+@needs_cuda
+def test_cuda_packed_is_deterministic_and_bitwise_its_partners() -> None:
+    w = QPN2_PACKED.prepare(_cuda_weight(1024, 2048))
+    qpn4 = QPN4BoundedRoute()
+    for m in (1, 8, 40):
+        x = _x(m, 2048, torch.float16, seed=m).cuda()
+        partner = QPN2 if m < QPN2_PACKED.min_prefill_m else qpn4
+        first = QPN2_PACKED.linear(x, w)
+        assert_bitwise_equal(QPN2_PACKED.linear(x, w), first, f"M={m} run to run")
+        assert_bitwise_equal(partner.linear(x, w), first, f"M={m} vs {partner.name}")
+
+
+@needs_cuda
+def test_cuda_workspace_peak_is_found_under_cuda_and_cuda_0() -> None:
+    """The bug this fixes: the peak was recorded under 'cuda:0' (the tensors' device) and read
+    under 'cuda' (the gate's --dflash-device), which found an empty workspace: peak 0."""
+    route = QPN2PackedRoute()
+    route.linear(_x(40, 256, torch.float16).cuda(), route.prepare(_cuda_weight(96, 256)))
+    index = torch.cuda.current_device()
+    peak = route.workspace_peak_bytes("cuda")
+    assert peak > 0
+    assert route.workspace_peak_bytes(f"cuda:{index}") == peak
+    assert shared_workspace("cuda") is shared_workspace(torch.device("cuda", index))

@@ -1,0 +1,514 @@
+// QPN2 / QPN4 NVFP4 GEMMs for CUDA: CUDA kernels of the `dflash_qpn` ops (schemas and the CPU
+// kernels are in qpn_gemm.cpp; shared checks, hit counters and workspaces in qpn_common.h).
+//
+// SM70 features only (the target deployment runs V100s): SIMT, WMMA 8x32x16 (fp16 in, fp32
+// accumulate), vendor GEMM through ATen's cuBLAS wrapper; no bf16, no cp.async, no ldmatrix-only
+// paths, no TMA or wgmma.
+//
+// qpn2 (small M, <= 32 rows per pass): one block per (32-column tile, K split), 8 warps; lane c
+// of a warp owns column c of the tile and each warp takes every 8th group of the split, so every
+// code byte and scale is read from memory exactly once per pass. fp16 inputs: the lane decodes
+// its 16 codes to fp16 values e2m1 * e4m3 * 2^-7 (exact: at most 5 significant bits, all within
+// fp16's range) into a per-warp staging tile and the warp multiplies it with WMMA m8n32k16
+// against the rows of x (fp32 accumulators); fp32 inputs: the same walk with fp32 FMAs. The 8
+// warps' accumulators are summed in warp order, the K splits in split order by the finishing
+// kernel, which also applies the global scale (and 2^7) in fp32, the SiLU gate and the cast: a
+// fixed reduction order, bitwise identical run to run on one device.
+//
+// qpn4_bounded (large M): a chunk of whole tiles of the QPN4 view is dequantized into the
+// bounded workspace (fp16 for fp16 inputs: e2m1 x fp16 pre-scaled scale with its 2^14 bias, or
+// e2m1 x e4m3 when the pre-scaled form is not given; fp32 for fp32 inputs), then one cuBLAS GEMM
+// per chunk writes the chunk's output columns with alpha = 2^-14 (or the global scale): the bias
+// is removed from the fp32 accumulators before the single rounding to the output dtype.
+
+#include "qpn_common.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+namespace dflash_qpn {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kSmemBytes = 48 * 1024;  // default dynamic shared memory limit, every SM70+ GPU
+
+__device__ __forceinline__ float e4m3_to_float(uint32_t b) {
+  const uint32_t e = (b >> 3) & 0xF, m = b & 7;
+  const float v = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : m * 0.001953125f;
+  return (b & 0x80) ? -v : v;
+}
+
+__device__ __forceinline__ float e2m1_to_float(uint32_t nib) {
+  const uint32_t e = (nib >> 1) & 3, m = nib & 1;
+  const float mag = e ? __uint_as_float(((e + 126u) << 23) | (m << 22)) : 0.5f * m;
+  return (nib & 8) ? -mag : mag;
+}
+
+// The two codes of byte v as fp16 bits (low nibble in the low half): the code's 3 magnitude
+// bits placed as exponent/mantissa give e2m1 * 2^-14 exactly (fp16 subnormals cover 0.5 * 2^-14).
+__device__ __forceinline__ uint32_t e2m1_pair_bits(uint32_t v) {
+  return ((v & 0x7u) << 9) | ((v & 0x8u) << 12) | ((v & 0x70u) << 21) | ((v & 0x80u) << 24);
+}
+
+// ---------------------------------------------------------------------------------------------
+// qpn2: small-M kernels. partials: [splits][rows][Np] fp32 (this pass's rows).
+
+struct SmallMArgs {
+  const void* x;  // [rows, K] of this pass, fp16 or fp32
+  int64_t rows, k;
+  const uint8_t* buffer;
+  const uint8_t* scales;
+  int64_t groups, groups_per_split, n_padded;
+  float* partials;
+};
+
+template <int MB>  // 8-row blocks (rows <= 8 * MB)
+__global__ void __launch_bounds__(kThreads) qpn2_wmma_kernel(SmallMArgs a) {
+  using namespace nvcuda;
+  extern __shared__ __align__(32) unsigned char smem[];
+  const int t = blockIdx.x, s = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t g0 = s * a.groups_per_split;
+  const int ng = static_cast<int>(min(a.groups_per_split, a.groups - g0));
+  const int ld = ng * 16 + 16;  // halves; a multiple of 16 keeps every fragment 32-byte aligned
+  __half* xs = reinterpret_cast<__half*>(smem);                       // [MB * 8][ld]
+  __half* stage = xs + MB * 8 * ld + warp * 512;                       // [32 cols][16 k]
+  const __half* x = static_cast<const __half*>(a.x);
+  for (int i = threadIdx.x; i < MB * 8 * ng * 2; i += kThreads) {  // 8 halves per item
+    const int row = i / (ng * 2), col = (i % (ng * 2)) * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < a.rows) v = *reinterpret_cast<const uint4*>(x + row * a.k + g0 * 16 + col);
+    *reinterpret_cast<uint4*>(xs + row * ld + col) = v;
+  }
+  __syncthreads();
+
+  wmma::fragment<wmma::accumulator, 8, 32, 16, float> acc[MB];
+#pragma unroll
+  for (int b = 0; b < MB; ++b) wmma::fill_fragment(acc[b], 0.0f);
+  const uint8_t* codes = a.buffer + ((t * a.groups + g0) * 32 + lane) * 8;
+  const uint8_t* scales = a.scales + (t * a.groups + g0) * 32 + lane;
+  constexpr int kAhead = 4;  // groups per batch; the next batch's loads fly while this one runs
+  constexpr int kStride = kWarps * kAhead;
+  uint2 code[kAhead], next_code[kAhead];
+  uint32_t sb[kAhead], next_sb[kAhead];
+  auto load_batch = [&](int base, uint2* c, uint32_t* b) {
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int gl = base + u * kWarps;
+      if (gl < ng) {
+        c[u] = __ldg(reinterpret_cast<const uint2*>(codes + gl * 256));
+        b[u] = __ldg(scales + gl * 32);
+      }
+    }
+  };
+  load_batch(warp, code, sb);
+  for (int base = warp; base < ng; base += kStride) {
+    if (base + kStride < ng) load_batch(base + kStride, next_code, next_sb);
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int gl = base + u * kWarps;
+      if (gl >= ng) break;
+      // e4m3 * 2^7 in fp16 (exact: 2^-2 .. 57344)
+      const __half2 s2 = __float2half2_rn(e4m3_to_float(sb[u]) * 128.0f);
+      uint32_t h[8];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        h[j] = e2m1_pair_bits((code[u].x >> (8 * j)) & 0xFF);
+        h[4 + j] = e2m1_pair_bits((code[u].y >> (8 * j)) & 0xFF);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        __half2 v = *reinterpret_cast<__half2*>(&h[j]);
+        v = __hmul2(v, s2);  // e2m1 * e4m3 * 2^-7, exact
+        h[j] = *reinterpret_cast<uint32_t*>(&v);
+      }
+      __syncwarp();
+      uint4* dst = reinterpret_cast<uint4*>(stage + lane * 16);
+      dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+      dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+      __syncwarp();
+      wmma::fragment<wmma::matrix_b, 8, 32, 16, __half, wmma::col_major> bf;
+      wmma::load_matrix_sync(bf, stage, 16);
+#pragma unroll
+      for (int b = 0; b < MB; ++b) {
+        wmma::fragment<wmma::matrix_a, 8, 32, 16, __half, wmma::row_major> af;
+        wmma::load_matrix_sync(af, xs + b * 8 * ld + gl * 16, ld);
+        wmma::mma_sync(acc[b], af, bf, acc[b]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      code[u] = next_code[u];
+      sb[u] = next_sb[u];
+    }
+  }
+  __syncthreads();  // xs is reused for the warps' accumulators
+  float* red = reinterpret_cast<float*>(smem);  // [warp][MB * 8][32]
+#pragma unroll
+  for (int b = 0; b < MB; ++b)
+    wmma::store_matrix_sync(red + (warp * MB * 8 + b * 8) * 32, acc[b], 32, wmma::mem_row_major);
+  __syncthreads();
+  for (int i = threadIdx.x; i < MB * 8 * 32; i += kThreads) {
+    const int row = i / 32, col = i % 32;
+    if (row >= a.rows) continue;
+    float sum = 0.0f;
+    for (int w = 0; w < kWarps; ++w) sum += red[(w * MB * 8 + row) * 32 + col];
+    a.partials[(s * a.rows + row) * a.n_padded + t * 32 + col] = sum;
+  }
+}
+
+template <int MR>  // rows per pass handled in registers
+__global__ void __launch_bounds__(kThreads) qpn2_simt_kernel(SmallMArgs a) {
+  extern __shared__ __align__(32) unsigned char smem[];
+  const int t = blockIdx.x, s = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t g0 = s * a.groups_per_split;
+  const int ng = static_cast<int>(min(a.groups_per_split, a.groups - g0));
+  const int len = ng * 16;
+  float* xs = reinterpret_cast<float*>(smem);  // [MR][len]
+  const float* x = static_cast<const float*>(a.x);
+  for (int i = threadIdx.x; i < MR * len; i += kThreads) {
+    const int row = i / len, col = i % len;
+    xs[i] = row < a.rows ? x[row * a.k + g0 * 16 + col] : 0.0f;
+  }
+  __syncthreads();
+  float acc[MR];
+#pragma unroll
+  for (int r = 0; r < MR; ++r) acc[r] = 0.0f;
+  const uint8_t* codes = a.buffer + ((t * a.groups + g0) * 32 + lane) * 8;
+  const uint8_t* scales = a.scales + (t * a.groups + g0) * 32 + lane;
+  for (int gl = warp; gl < ng; gl += kWarps) {
+    const uint2 code = __ldg(reinterpret_cast<const uint2*>(codes + gl * 256));
+    const float sc = e4m3_to_float(__ldg(scales + gl * 32));
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t word = j < 8 ? code.x : code.y;
+      const float w = e2m1_to_float((word >> (4 * (j % 8))) & 0xF) * sc;  // exact
+      const float* xr = xs + gl * 16 + j;
+#pragma unroll
+      for (int r = 0; r < MR; ++r) acc[r] = fmaf(w, xr[r * len], acc[r]);
+    }
+  }
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(smem);  // [warp][MR][32]
+#pragma unroll
+  for (int r = 0; r < MR; ++r) red[(warp * MR + r) * 32 + lane] = acc[r];
+  __syncthreads();
+  for (int i = threadIdx.x; i < MR * 32; i += kThreads) {
+    const int row = i / 32, col = i % 32;
+    if (row >= a.rows) continue;
+    float sum = 0.0f;
+    for (int w = 0; w < kWarps; ++w) sum += red[(w * MR + row) * 32 + col];
+    a.partials[(s * a.rows + row) * a.n_padded + t * 32 + col] = sum;
+  }
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ float load(const float* p) { return *p; }
+__device__ __forceinline__ float load(const __half* p) { return __half2float(*p); }
+
+// out[row][j] = alpha * sum over splits (in split order), SiLU-gated if asked, cast once.
+template <typename Out>
+__global__ void small_m_finish_kernel(const float* partials, int splits, int64_t rows,
+                                      int64_t n_padded, int64_t n, bool gated, float alpha,
+                                      Out* out, int64_t ldo) {
+  const int64_t n_out = gated ? n / 2 : n;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * n_out;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / n_out, j = i % n_out;
+    float y = 0.0f, up = 0.0f;
+    for (int s = 0; s < splits; ++s) y += partials[(s * rows + row) * n_padded + j];
+    y *= alpha;
+    if (gated) {
+      for (int s = 0; s < splits; ++s) up += partials[(s * rows + row) * n_padded + j + n / 2];
+      y = silu(y) * (up * alpha);
+    }
+    store(out + row * ldo + j, y);
+  }
+}
+
+// Gated output of the large-M path: out[row][j] = silu(y[row][j]) * y[row][j + n/2] in fp32.
+template <typename T>
+__global__ void gate_kernel(const T* y, int64_t rows, int64_t n_padded, int64_t n, T* out) {
+  const int64_t half = n / 2;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * half;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / half, j = i % half;
+    const float g = load(y + row * n_padded + j), u = load(y + row * n_padded + j + half);
+    store(out + i, silu(g) * u);
+  }
+}
+
+// Streaming multiprocessors of the current device (cached per device).
+int sm_count() {
+  static int counts[64] = {0};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= 64) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }
+  if (counts[dev] == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&counts[dev], cudaDevAttrMultiProcessorCount, dev));
+  }
+  return counts[dev];
+}
+
+int grid_for(int64_t items) {
+  const int sms = sm_count();
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((items + 255) / 256, sms * 8)));
+}
+
+// Splits of K for one pass: enough blocks for every SM (about 8 per SM), each split's x
+// rows fitting the shared memory next to the staging tiles.
+int64_t groups_per_split(const Geometry& g, int64_t max_groups) {
+  const int sms = sm_count();
+  const int64_t want = std::max<int64_t>(1, (8 * sms + g.tiles - 1) / g.tiles);
+  int64_t per = std::max<int64_t>(1, (g.groups + want - 1) / want);
+  per = std::min(per, max_groups);
+  return std::max<int64_t>(1, per);
+}
+
+template <typename Kernel>
+void launch_small_m(Kernel kernel, const SmallMArgs& a, int64_t splits, size_t smem,
+                    cudaStream_t stream) {
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  }
+  kernel<<<dim3(static_cast<unsigned>(a.n_padded / 32), static_cast<unsigned>(splits)), kThreads,
+           smem, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// One pass of <= 32 rows: partials [splits][rows][Np] and the alpha that finishes them.
+std::pair<at::Tensor, float> small_m_pass(const at::Tensor& x, int64_t r0, int64_t rows,
+                                          const at::Tensor& buffer, const at::Tensor& scales,
+                                          double global_scale, const Geometry& g,
+                                          cudaStream_t stream) {
+  const bool half = x.scalar_type() == at::kHalf;
+  const int rows_pad = static_cast<int>((rows + 7) / 8 * 8);
+  int64_t per;
+  size_t smem;
+  if (half) {
+    const int mb = rows_pad / 8;
+    // xs: [8 mb][16 per + 16] halves, then 8 staging tiles of 1 KiB; reduction: 8 warps x 8 mb x 32 fp32
+    const int64_t max_groups = ((kSmemBytes - kWarps * 1024) / (2 * 8 * mb) - 16) / 16;
+    per = groups_per_split(g, max_groups);
+    const size_t xs = size_t(8 * mb) * (per * 16 + 16) * 2 + kWarps * 1024;
+    smem = std::max(xs, size_t(kWarps) * 8 * mb * 32 * 4);
+  } else {
+    const int mr = rows_pad <= 8 ? 8 : rows_pad <= 16 ? 16 : 32;
+    const int64_t max_groups = kSmemBytes / (4 * mr * 16);
+    per = groups_per_split(g, max_groups);
+    smem = std::max(size_t(mr) * per * 16 * 4, size_t(kWarps) * mr * 32 * 4);
+  }
+  const int64_t splits = (g.groups + per - 1) / per;
+  at::Tensor partials = at::empty({splits, rows, g.n_padded}, x.options().dtype(at::kFloat));
+  poison(partials);
+  SmallMArgs a{static_cast<const char*>(x.data_ptr()) + r0 * g.k * x.element_size(), rows, g.k,
+               buffer.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), g.groups, per,
+               g.n_padded, partials.data_ptr<float>()};
+  if (half) {
+    switch (rows_pad / 8) {
+      case 1: launch_small_m(qpn2_wmma_kernel<1>, a, splits, smem, stream); break;
+      case 2: launch_small_m(qpn2_wmma_kernel<2>, a, splits, smem, stream); break;
+      case 3: launch_small_m(qpn2_wmma_kernel<3>, a, splits, smem, stream); break;
+      default: launch_small_m(qpn2_wmma_kernel<4>, a, splits, smem, stream); break;
+    }
+    return {partials, static_cast<float>(global_scale * 128.0)};
+  }
+  if (rows_pad <= 8) launch_small_m(qpn2_simt_kernel<8>, a, splits, smem, stream);
+  else if (rows_pad <= 16) launch_small_m(qpn2_simt_kernel<16>, a, splits, smem, stream);
+  else launch_small_m(qpn2_simt_kernel<32>, a, splits, smem, stream);
+  return {partials, static_cast<float>(global_scale)};
+}
+
+at::Tensor qpn2_small_m_cuda(const at::Tensor& x_in, const at::Tensor& buffer,
+                             const at::Tensor& scales, double global_scale, const Geometry& g,
+                             bool gated) {
+  const at::Tensor x = x_in.contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int64_t n_out = gated ? g.n / 2 : g.n;
+  at::Tensor out = at::empty({g.m, n_out}, x.options());
+  poison(out);
+  for (int64_t r0 = 0; r0 < g.m; r0 += kMaxSmallM) {
+    count_hit(kHitQpn2SmallM);
+    const int64_t rows = std::min(kMaxSmallM, g.m - r0);
+    auto [partials, alpha] = small_m_pass(x, r0, rows, buffer, scales, global_scale, g, stream);
+    const int splits = static_cast<int>(partials.size(0));
+    const int grid = grid_for(rows * n_out);
+    if (x.scalar_type() == at::kHalf) {
+      small_m_finish_kernel<__half><<<grid, 256, 0, stream>>>(
+          partials.data_ptr<float>(), splits, rows, g.n_padded, g.n, gated, alpha,
+          reinterpret_cast<__half*>(out.data_ptr<at::Half>()) + r0 * n_out, n_out);
+    } else {
+      small_m_finish_kernel<float><<<grid, 256, 0, stream>>>(
+          partials.data_ptr<float>(), splits, rows, g.n_padded, g.n, gated, alpha,
+          out.data_ptr<float>() + r0 * n_out, n_out);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// qpn4_bounded: dequantize a chunk of tiles into the workspace, one cuBLAS GEMM per chunk.
+
+__device__ __forceinline__ void store16(__half* dst, const float* v) {
+  uint32_t w[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    __half2 h = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+    w[j] = *reinterpret_cast<uint32_t*>(&h);
+  }
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+__device__ __forceinline__ void store16(float* dst, const float* v) {
+  float4* d = reinterpret_cast<float4*>(dst);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) d[j] = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
+}
+
+// One item = the 16 values of one (column, group); consecutive items are consecutive groups of
+// one column, so a warp writes 32 x 16 contiguous values of a workspace row (coalesced).
+template <typename T>
+__global__ void dequant_kernel(const uint8_t* buffer, const uint8_t* scales,
+                               const __half* scales16, int64_t groups, int64_t k, int64_t t0,
+                               int64_t count, T* values) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t gr = i % groups, col = i / groups;  // col = 32 * local tile + c
+    const int64_t src = ((t0 + col / 32) * groups + gr) * 32 + col % 32;
+    const uint2 code = __ldg(reinterpret_cast<const uint2*>(buffer + src * 8));
+    const float s = scales16 ? __half2float(scales16[src]) : e4m3_to_float(__ldg(scales + src));
+    float v[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t word = j < 8 ? code.x : code.y;
+      v[j] = e2m1_to_float((word >> (4 * (j % 8))) & 0xF) * s;
+    }
+    store16(values + col * k + gr * 16, v);
+  }
+}
+
+at::Tensor qpn4_bounded_large_m_cuda(const at::Tensor& x_in, const at::Tensor& buffer,
+                                     const at::Tensor& scales,
+                                     const std::optional<at::Tensor>& scales_fp16,
+                                     double global_scale, int64_t workspace_id,
+                                     int64_t workspace_bytes, const Geometry& g, bool gated) {
+  count_hit(kHitQpn4LargeM);
+  const at::Tensor x = x_in.contiguous();
+  const bool half = x.scalar_type() == at::kHalf;
+  const int64_t value_bytes = half ? 2 : 4;
+  const int64_t chunk = tiles_per_chunk(g.tiles, g.k, value_bytes, workspace_bytes);
+  const bool fp16_scales = use_fp16_scales(x, scales_fp16);
+  const float alpha = fp16_scales ? static_cast<float>(1.0 / kFp16ScaleBias)
+                                  : static_cast<float>(global_scale);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  at::Tensor y = at::empty({g.m, g.n_padded}, x.options());
+  poison(y);
+  WorkspaceLease ws = take_workspace(
+      workspace_id, chunk * workspace_bytes_per_tile(g.k, value_bytes), workspace_bytes,
+      x.device());
+  poison(ws.bytes);
+  const __half* s16 = fp16_scales
+      ? reinterpret_cast<const __half*>(scales_fp16->data_ptr<at::Half>()) : nullptr;
+  const at::Tensor values_all =
+      ws.bytes.view(half ? at::kHalf : at::kFloat).view({chunk * kTileN, g.k});
+  for (int64_t t0 = 0; t0 < g.tiles; t0 += chunk) {
+    const int64_t nt = std::min(chunk, g.tiles - t0);
+    const int64_t count = nt * g.groups * 32;
+    if (half) {
+      dequant_kernel<__half><<<grid_for(count), 256, 0, stream>>>(
+          buffer.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), s16, g.groups, g.k, t0, count,
+          reinterpret_cast<__half*>(values_all.data_ptr<at::Half>()));
+    } else {
+      dequant_kernel<float><<<grid_for(count), 256, 0, stream>>>(
+          buffer.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), nullptr, g.groups, g.k, t0,
+          count, values_all.data_ptr<float>());
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // cuBLAS (through ATen): y[:, chunk] = alpha * (x @ W_chunk^T), alpha applied to the fp32
+    // accumulators before the one rounding to y's dtype; beta = 0 never reads y.
+    at::Tensor cols = y.narrow(1, t0 * kTileN, nt * kTileN);
+    at::addmm_out(cols, cols, x, values_all.narrow(0, 0, nt * kTileN).t(), 0.0, alpha);
+  }
+  if (!gated) return g.n == g.n_padded ? y : y.narrow(1, 0, g.n).contiguous();
+  at::Tensor out = at::empty({g.m, g.n / 2}, x.options());
+  poison(out);
+  const int grid = grid_for(g.m * (g.n / 2));
+  if (half) {
+    gate_kernel<__half><<<grid, 256, 0, stream>>>(
+        reinterpret_cast<const __half*>(y.data_ptr<at::Half>()), g.m, g.n_padded, g.n,
+        reinterpret_cast<__half*>(out.data_ptr<at::Half>()));
+  } else {
+    gate_kernel<float><<<grid, 256, 0, stream>>>(y.data_ptr<float>(), g.m, g.n_padded, g.n,
+                                                 out.data_ptr<float>());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ops.
+
+at::Tensor qpn2_linear_cuda(const at::Tensor& x, const at::Tensor& buffer,
+                            const at::Tensor& scales, double global_scale, int64_t n, int64_t k,
+                            bool gated) {
+  const Geometry g = check_args("qpn2_linear", x, buffer, scales, std::nullopt, n, k, gated);
+  const c10::cuda::CUDAGuard guard(x.device());
+  return qpn2_small_m_cuda(x, buffer, scales, global_scale, g, gated);
+}
+
+at::Tensor qpn4_bounded_linear_cuda(const at::Tensor& x, const at::Tensor& buffer,
+                                    const at::Tensor& scales,
+                                    const std::optional<at::Tensor>& scales_fp16,
+                                    double global_scale, int64_t n, int64_t k,
+                                    int64_t workspace_id, int64_t workspace_bytes, bool gated) {
+  const Geometry g =
+      check_args("qpn4_bounded_linear", x, buffer, scales, scales_fp16, n, k, gated);
+  const c10::cuda::CUDAGuard guard(x.device());
+  return qpn4_bounded_large_m_cuda(x, buffer, scales, scales_fp16, global_scale, workspace_id,
+                                   workspace_bytes, g, gated);
+}
+
+at::Tensor qpn2_packed_linear_cuda(const at::Tensor& x, const at::Tensor& buffer,
+                                   const at::Tensor& scales,
+                                   const std::optional<at::Tensor>& scales_fp16,
+                                   double global_scale, int64_t n, int64_t k,
+                                   int64_t min_prefill_m, int64_t workspace_id,
+                                   int64_t workspace_bytes, bool gated) {
+  check_min_prefill_m(min_prefill_m);
+  const Geometry g =
+      check_args("qpn2_packed_linear", x, buffer, scales, scales_fp16, n, k, gated);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (g.m < min_prefill_m) {
+    count_hit(kHitPackedSmallM);
+    return qpn2_small_m_cuda(x, buffer, scales, global_scale, g, gated);
+  }
+  count_hit(kHitPackedLargeM);
+  return qpn4_bounded_large_m_cuda(x, buffer, scales, scales_fp16, global_scale, workspace_id,
+                                   workspace_bytes, g, gated);
+}
+
+}  // namespace
+}  // namespace dflash_qpn
+
+TORCH_LIBRARY_IMPL(dflash_qpn, CUDA, m) {
+  m.impl("qpn2_linear", &dflash_qpn::qpn2_linear_cuda);
+  m.impl("qpn4_bounded_linear", &dflash_qpn::qpn4_bounded_linear_cuda);
+  m.impl("qpn2_packed_linear", &dflash_qpn::qpn2_packed_linear_cuda);
+}
