@@ -26,7 +26,7 @@ import torch
 
 from dflash_kernels.gemm import ORACLE, QPN2, QPN4_BOUNDED, TURBOMIND
 from dflash_kernels.nvfp4 import NVFP4Weight, dequantize, quantize
-from dflash_suites.test_parity_gemm import TARGET_M, layer_shape
+from dflash_suites.support.gemm import TARGET_M, layer_shape
 from pytest_dflash.numerics import check_parity
 from pytest_dflash.policy import Policy
 from pytest_dflash.timing import cuda_timer
