@@ -29,8 +29,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 D, HQ, HKV = 256, 6, 1
 LENGTHS = (32768, 65536)
 ROUNDS = 10
-# fa2_w4 / fa2_w8: the fp16 kernel with 4 or 8 warps per block ($DFLASH_D256_CUDA_WARPS)
-IMPLS = ("fa2", "fa2_w4", "fa2_w8", "fa2_paged", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")
+# variants of the fp16 kernel: 4 or 8 warps per block, V staged transposed (vt1) or not (vt0)
+VARIANTS = {"fa2_w4_vt1": ("4", "1"), "fa2_w8_vt1": ("8", "1"), "fa2_w4_vt0": ("4", "0"),
+            "fa2_w8_vt0": ("8", "0")}
+IMPLS = ("fa2", *VARIANTS, "fa2_paged", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")
 
 
 def causal_flops(t: int) -> float:
@@ -84,8 +86,9 @@ def _setup(impl: str, t: int):
 def test_causal_prefill_d256(benchmark, monkeypatch, impl, t):
     from pytest_dflash.timing import l2_flush_buffer
 
-    if impl in ("fa2_w4", "fa2_w8"):
-        monkeypatch.setenv("DFLASH_D256_CUDA_WARPS", impl[-1])
+    if impl in VARIANTS:
+        monkeypatch.setenv("DFLASH_D256_CUDA_WARPS", VARIANTS[impl][0])
+        monkeypatch.setenv("DFLASH_D256_CUDA_VT", VARIANTS[impl][1])
     fn = _setup(impl, t)
     try:
         fn()

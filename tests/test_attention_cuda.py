@@ -74,26 +74,30 @@ def paged_copy(k, v, block_size, seed=1):
     return k_cache, v_cache, table.cuda()
 
 
-FP16_WARPS_8_SMEM = 136192  # bytes per block of the 8-warp fp16 kernel
+FP16_WARPS_8_SMEM = 140288  # bytes per block of the 8-warp fp16 kernel
 
 
-@pytest.fixture(params=["4", "8"], ids=lambda w: f"warps{w}")
-def fp16_warps(request, monkeypatch):
-    """Both block shapes of the fp16 kernel ($DFLASH_D256_CUDA_WARPS); 8 only where it fits."""
+@pytest.fixture(params=[("4", "1"), ("8", "1"), ("4", "0"), ("8", "0")],
+                ids=lambda p: f"warps{p[0]}-vt{p[1]}")
+def fp16_variant(request, monkeypatch):
+    """Every variant of the fp16 kernel: block shape ($DFLASH_D256_CUDA_WARPS; 8 only where it
+    fits) and V staging ($DFLASH_D256_CUDA_VT)."""
+    warps, vt = request.param
     props = torch.cuda.get_device_properties(0)
     # a block may use all of an SM's shared memory but 1 KB (the driver's reserve)
     optin = getattr(props, "shared_memory_per_block_optin",
                     props.shared_memory_per_multiprocessor - 1024)
-    if request.param == "8" and optin < FP16_WARPS_8_SMEM:
+    if warps == "8" and optin < FP16_WARPS_8_SMEM:
         pytest.skip(f"{props.name} gives a block {optin} bytes of shared memory, the 8-warp "
                     f"kernel needs {FP16_WARPS_8_SMEM}")
-    monkeypatch.setenv("DFLASH_D256_CUDA_WARPS", request.param)
+    monkeypatch.setenv("DFLASH_D256_CUDA_WARPS", warps)
+    monkeypatch.setenv("DFLASH_D256_CUDA_VT", vt)
     return request.param
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", EDGE_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_dense_matches_fp64_oracle(cuda_ops, fp16_warps, shape, dtype):
+def test_dense_matches_fp64_oracle(cuda_ops, fp16_variant, shape, dtype):
     q, k, v = make_qkv(*shape, dtype, seed=sum(shape))
     for causal in (True, False):
         out = torch.full_like(q, float("nan"))
@@ -103,7 +107,7 @@ def test_dense_matches_fp64_oracle(cuda_ops, fp16_warps, shape, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", [16, 32, 7])
-def test_paged_equals_dense_exactly(cuda_ops, fp16_warps, dtype, block_size):
+def test_paged_equals_dense_exactly(cuda_ops, fp16_variant, dtype, block_size):
     """Same keys, same arithmetic: the block-table indirection must not change one bit."""
     for tq, tk, hq, hkv in ((97, 203, 4, 1), (1031, 4099, 4, 2), (5, 5, 4, 4)):
         q, k, v = make_qkv(tq, tk, hq, hkv, dtype, seed=tk + block_size)
@@ -118,7 +122,7 @@ def test_paged_equals_dense_exactly(cuda_ops, fp16_warps, dtype, block_size):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 64])
-def test_splitkv_matches_oracle_and_dense(cuda_ops, fp16_warps, dtype, splits):
+def test_splitkv_matches_oracle_and_dense(cuda_ops, fp16_variant, dtype, splits):
     q, k, v = make_qkv(70, 1000, 4, 2, dtype, seed=splits)
     dense = torch.full_like(q, float("nan"))
     split = torch.full_like(q, float("nan"))
@@ -130,7 +134,7 @@ def test_splitkv_matches_oracle_and_dense(cuda_ops, fp16_warps, dtype, splits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_long_causal_prefill_error_stays_flat(cuda_ops, fp16_warps, dtype):
+def test_long_causal_prefill_error_stays_flat(cuda_ops, fp16_variant, dtype):
     errors = {}
     for t in (512, 8192):
         q, k, v = make_qkv(t, t, 4, 1, dtype, seed=t)
@@ -172,7 +176,7 @@ def test_cuda_refuses_bad_block_ids_unaligned_views_and_bad_settings(cuda_ops, m
     with pytest.raises(RuntimeError, match="one device"):
         cuda_ops.dense(q, k.cpu(), v, torch.empty_like(q), SCALE, True)
     monkeypatch.setenv("DFLASH_D256_CUDA_WARPS", "6")
-    with pytest.raises(RuntimeError, match="DFLASH_D256_CUDA_WARPS must be 4 or 8, got '6'"):
+    with pytest.raises(RuntimeError, match="DFLASH_D256_CUDA_WARPS must be one of 4, 8, got '6'"):
         cuda_ops.dense(q, k, v, torch.empty_like(q), SCALE, True)
 
 

@@ -1,4 +1,4 @@
-// Causal prefill attention with head dim 256 for the CPU: the `dflash_d256` op namespace.
+// Causal prefill attention with head dim 256: the `dflash_d256` op namespace and its CPU kernels.
 //
 // Ops (schemas in TORCH_LIBRARY below, shapes in docs/families.md):
 //   dense(q [Tq,Hq,256], k [Tk,Hkv,256], v [Tk,Hkv,256], out [Tq,Hq,256]!, softmax_scale, causal)
@@ -17,6 +17,10 @@
 // or AVX-512 where the machine has it. Work items are scheduled longest-first over an atomic
 // counter so the causal triangle does not leave one thread idle.
 //
+// Build macro DFLASH_WITH_CUDA (set by the build when it compiles attn_d256_cuda.cu into the same
+// library): the ops also get CUDA kernels. Their op layer (checks, workspace, stream) is in this
+// file; the kernels are behind the plain interface of attn_d256_cuda.h.
+//
 // Build macro DFLASH_DENSE_ONLY: register only `dense` (a deliberately partial library, used by
 // the loader gate to exercise the "partial" state with a real file).
 
@@ -26,6 +30,18 @@
 #include <torch/library.h>
 
 #include "attn_d256_checks.h"
+
+#ifdef DFLASH_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <initializer_list>
+#include <string>
+
+#include "attn_d256_cuda.h"
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -412,6 +428,129 @@ void paged_meta(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   check_paged_shapes(q, k_cache, v_cache, block_table, kv_len, out, softmax_scale);
 }
 
+#ifdef DFLASH_WITH_CUDA
+// ---------------------------------------------------------------------------------------------
+// CUDA implementations: the same checks, then the kernels of attn_d256_cuda.cu through the
+// plain launch interface (the .cu file is compiled by nvcc and includes no torch header).
+
+// "$name" if set, one of `allowed`, else `fallback`; anything else is a clear error.
+std::string env_choice(const char* name, std::initializer_list<const char*> allowed,
+                       const std::string& fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr) return fallback;
+  const std::string value(env);
+  bool known = false;
+  std::string names;
+  for (const char* ok : allowed) {
+    known = known || value == ok;
+    names += (names.empty() ? "" : ", ") + std::string(ok);
+  }
+  TORCH_CHECK(known, "dflash_d256: ", name, " must be one of ", names, ", got '", value, "'");
+  return value;
+}
+
+void check_aligned(const char* op, std::initializer_list<const at::Tensor*> ts) {
+  for (const at::Tensor* t : ts) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "dflash_d256::", op,
+                ": CUDA tensors must start on a 16-byte boundary; this one is a view at an "
+                "unaligned offset: pass .clone() of it");
+  }
+}
+
+void run_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor* block_table, int64_t tk, int64_t hkv, at::Tensor& out,
+              double softmax_scale, bool causal, int64_t num_splits) {
+  const int64_t tq = q.size(0);
+  const int64_t hq = q.size(1);
+  TORCH_CHECK(tk < (int64_t{1} << 30) && tq * hq < (int64_t{1} << 30), "dflash_d256: sequence "
+              "too long for the CUDA kernels (Tk ", tk, ", Tq x Hq ", tq * hq, "); at most 2^30");
+  TORCH_CHECK(hq <= 65535, "dflash_d256: at most 65535 query heads on CUDA, got ", hq);
+  const c10::cuda::CUDAGuard guard(q.device());
+  cuda::Launch a{};
+  a.q = q.data_ptr();
+  a.out = out.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.block_table = block_table ? block_table->data_ptr<int32_t>() : nullptr;
+  a.block_size = block_table ? static_cast<int>(k.size(1)) : 0;
+  a.tq = static_cast<int>(tq);
+  a.tk = static_cast<int>(tk);
+  a.hq = static_cast<int>(hq);
+  a.hkv = static_cast<int>(hkv);
+  a.softmax_scale = static_cast<float>(softmax_scale);
+  a.causal = causal;
+  a.fp16 = q.scalar_type() == at::kHalf;
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                        q.get_device()));
+  // fp16 kernel shape: $DFLASH_D256_CUDA_WARPS (4 or 8; default 8 where a block may have the
+  // shared memory, else 4) and $DFLASH_D256_CUDA_VT (V staged transposed: 1, default, or 0)
+  a.warps = 8;
+  const bool fits8 = cuda::smem_bytes(a) <= optin;
+  a.warps = std::stoi(env_choice("DFLASH_D256_CUDA_WARPS", {"4", "8"}, fits8 ? "8" : "4"));
+  a.v_transposed = env_choice("DFLASH_D256_CUDA_VT", {"0", "1"}, "1") == "1";
+  TORCH_CHECK(cuda::smem_bytes(a) <= optin, "dflash_d256: the CUDA kernel needs ",
+              cuda::smem_bytes(a), " bytes of shared memory per block, device ", q.get_device(),
+              " allows ", optin, (a.fp16 && a.warps == 8 ? "; set DFLASH_D256_CUDA_WARPS=4" : ""));
+  const int64_t tiles = (tq + cuda::query_tile(a) - 1) / cuda::query_tile(a);
+  TORCH_CHECK(tiles <= 65535, "dflash_d256: Tq ", tq, " needs ", tiles, " query tiles, the "
+              "CUDA grid allows 65535; split the prefill into chunks");
+  const int64_t key_tile = cuda::kKeyTile;
+  int64_t split_len = (tk + num_splits - 1) / num_splits;
+  split_len = std::max<int64_t>(key_tile, (split_len + key_tile - 1) / key_tile * key_tile);
+  a.split_len = static_cast<int>(split_len);
+  a.splits = static_cast<int>(std::max<int64_t>(1, (tk + split_len - 1) / split_len));
+  at::Tensor ws_o, ws_m, ws_l;
+  if (a.splits > 1) {
+    const auto f32 = q.options().dtype(at::kFloat);
+    ws_o = at::empty({a.splits, hq, tq, kHeadDim}, f32);
+    ws_m = at::empty({a.splits, hq, tq}, f32);
+    ws_l = at::empty({a.splits, hq, tq}, f32);
+    a.ws_o = ws_o.data_ptr<float>();
+    a.ws_m = ws_m.data_ptr<float>();
+    a.ws_l = ws_l.data_ptr<float>();
+  }
+  a.stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+  const char* what = "nothing";
+  const int err = cuda::run(a, &what);
+  TORCH_CHECK(err == 0, "dflash_d256: CUDA error while ", what, ": ",
+              cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+void dense_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                double softmax_scale, bool causal) {
+  check_dense("dense", q, k, v, out, softmax_scale);
+  check_aligned("dense", {&q, &k, &v, &out});
+  run_cuda(q, k, v, nullptr, k.size(0), k.size(1), out, softmax_scale, causal, 1);
+}
+
+void dense_splitkv_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        at::Tensor& out, double softmax_scale, bool causal, int64_t num_splits) {
+  check_dense("dense_splitkv", q, k, v, out, softmax_scale);
+  TORCH_CHECK(num_splits >= 1 && num_splits <= kMaxSplits, "dflash_d256::dense_splitkv: "
+              "num_splits must be in [1, ", kMaxSplits, "], got ", num_splits);
+  check_aligned("dense_splitkv", {&q, &k, &v, &out});
+  run_cuda(q, k, v, nullptr, k.size(0), k.size(1), out, softmax_scale, causal,
+           std::max<int64_t>(1, std::min(num_splits, k.size(0))));
+}
+
+#ifndef DFLASH_DENSE_ONLY
+void paged_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& block_table, int64_t kv_len, at::Tensor& out,
+                double softmax_scale, bool causal) {
+  check_paged_shapes(q, k_cache, v_cache, block_table, kv_len, out, softmax_scale);
+  check_aligned("paged", {&q, &k_cache, &v_cache, &out});
+  // Block ids are checked on a host copy of the used entries (a small synchronous copy): an
+  // out-of-range id read on the device would be an illegal address, not an error message.
+  const int64_t bs = k_cache.size(1);
+  const at::Tensor used = block_table.narrow(0, 0, (kv_len + bs - 1) / bs).cpu();
+  check_block_table_values(used, kv_len, bs, k_cache.size(0));
+  run_cuda(q, k_cache, v_cache, &block_table, kv_len, k_cache.size(2), out, softmax_scale,
+           causal, 1);
+}
+#endif  // DFLASH_DENSE_ONLY
+#endif  // DFLASH_WITH_CUDA
+
 }  // namespace
 }  // namespace dflash_d256
 
@@ -433,6 +572,16 @@ TORCH_LIBRARY_IMPL(dflash_d256, CPU, m) {
   m.impl("paged", &dflash_d256::paged_cpu);
 #endif
 }
+
+#ifdef DFLASH_WITH_CUDA
+TORCH_LIBRARY_IMPL(dflash_d256, CUDA, m) {
+  m.impl("dense", &dflash_d256::dense_cuda);
+  m.impl("dense_splitkv", &dflash_d256::dense_splitkv_cuda);
+#ifndef DFLASH_DENSE_ONLY
+  m.impl("paged", &dflash_d256::paged_cuda);
+#endif
+}
+#endif
 
 TORCH_LIBRARY_IMPL(dflash_d256, Meta, m) {
   m.impl("dense", &dflash_d256::dense_meta);

@@ -1,5 +1,7 @@
-// Causal prefill attention with head dim 256 on CUDA: the CUDA kernels of the `dflash_d256` ops
-// (schemas and the CPU kernels in attn_d256.cpp; argument checks shared in attn_d256_checks.h).
+// Causal prefill attention with head dim 256 on CUDA: the kernels behind the CUDA dispatch of
+// the `dflash_d256` ops. The op layer (schemas, argument checks, workspace, stream, dispatch
+// registration) is attn_d256.cpp; this file sees only the plain launch interface of
+// attn_d256_cuda.h and no torch header.
 //
 // Contract as on the CPU: queries are the LAST Tq of the Tk positions, so with `causal` query row
 // r sees keys 0 .. Tk - Tq + r (bottom-right aligned mask); GQA (Hq a multiple of Hkv); `paged`
@@ -14,47 +16,39 @@
 // only tiles that cross the bound (or the end of the keys) are masked.
 //
 // Only what SM70 (V100) has: fp16 tensor cores through WMMA 16x16x16 (half in, float accumulate),
-// plain 16-byte global loads (no cp.async, TMA, wgmma, bf16), at most 96 KB of shared memory per
-// block. The build compiles this file for compute_75 PTX as well, which proves it.
+// plain 16-byte global loads (no cp.async, TMA, wgmma, bf16). The build compiles this file for
+// compute_75 PTX as well (the oldest target CUDA 13 accepts), which proves it.
 //
-// * fp16 (`Fp16Kernel`): 4 warps, 64 query rows (16 per warp), key tiles of 64. Q lives in shared
-//   memory for the whole pass, K and V tiles take turns in one buffer (85 KB in all, so two blocks
-//   share an SM of an A100/H100 and one fits a V100). Per key tile a warp computes its 16 x 64
-//   scores with WMMA, does the online-softmax step on them through shared memory, rescales its
-//   16 x 256 output accumulator (kept in WMMA fragments, in registers) and adds P V with WMMA, P
-//   rounded to fp16 in [0, 1] as in every FA2 kernel. Rescaling the accumulator fragments needs
-//   the row of each fragment element, whose layout CUDA leaves unspecified: the kernel learns it
-//   at start by loading a matrix of row numbers into a fragment (portable to any architecture).
-// * fp32 (`Fp32Kernel`): SIMT in fp32 throughout (the fp32 parity bounds are tight), 16 query rows
-//   per block, 256 threads, key tiles of 32.
+// * fp16 (`attn_fp16_kernel`): NW warps of 16 query rows each (4 warps: 87 KB of shared memory,
+//   fits a V100; 8 warps: 137 KB, half the K/V traffic per query row, where the device allows),
+//   key tiles of 64. Q lives in shared memory for the whole pass; K and V tiles take turns in one
+//   buffer, loaded with every 16-byte load of a batch in flight. Per key tile a warp computes its
+//   16 x 64 scores with WMMA, does the online-softmax step on them through shared memory,
+//   rescales its 16 x 256 output accumulator (WMMA fragments, in registers) and adds P V with
+//   WMMA, P rounded to fp16 in [0, 1] as in every FA2 kernel. V is staged transposed, so its
+//   fragments load with 32-bit reads (option). Rescaling accumulator fragments needs the row of
+//   each fragment element, whose layout CUDA leaves unspecified: the kernel learns it at start by
+//   loading a matrix of row numbers into a fragment (portable to any architecture). Paged K/V
+//   rows are located once per tile (block-table read issued a tile ahead).
+// * fp32 (`attn_fp32_kernel`): SIMT in fp32 throughout (the fp32 parity bounds are tight), 16
+//   query rows per block, 256 threads, key tiles of 32.
 // * split-KV: every (query tile, split) block writes O, m, l in fp32 to a workspace, and a second
 //   kernel merges the splits per row: M = max m_s, O = sum 2^(m_s - M) O_s / sum 2^(m_s - M) l_s.
-//
-// Build macro DFLASH_DENSE_ONLY: no `paged` (the op is not defined then), as in attn_d256.cpp.
-
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <initializer_list>
-#include <string>
+#include <type_traits>
 
-#include "attn_d256_checks.h"
+#include "attn_d256_cuda.h"
 
 namespace dflash_d256 {
 namespace {
 
 namespace wmma = nvcuda::wmma;
+using cuda::Launch;
 
 constexpr int D = 256;
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -63,13 +57,18 @@ constexpr float kLog2e = 1.4426950408889634f;
 // ---------------------------------------------------------------------------------------------
 // Key/value addressing: dense [Tk, Hkv, 256] or paged [NB, BS, Hkv, 256] + block table.
 
+// Two steps so a paged lookup's global load can be issued early and used late: page(pos) reads
+// what locating `pos` needs (the block id; nothing for dense), offset() turns it into an element
+// offset. Positions and block sizes are 32-bit (a 32-bit division is far cheaper than 64-bit).
+
 template <typename T>
 struct DenseKV {
   const T* k;
   const T* v;
   int64_t row_stride;  // Hkv * 256
-  __device__ __forceinline__ int64_t offset(int64_t pos, int head) const {
-    return pos * row_stride + static_cast<int64_t>(head) * D;
+  __device__ __forceinline__ int page(int pos) const { return pos; }
+  __device__ __forceinline__ int64_t offset(int /*page*/, int pos, int head) const {
+    return static_cast<int64_t>(pos) * row_stride + static_cast<int64_t>(head) * D;
   }
 };
 
@@ -81,10 +80,10 @@ struct PagedKV {
   int block_size;
   int64_t row_stride;    // Hkv * 256
   int64_t block_stride;  // block_size * Hkv * 256
-  __device__ __forceinline__ int64_t offset(int64_t pos, int head) const {
-    const int64_t block = table[pos / block_size];
-    return block * block_stride + (pos % block_size) * row_stride +
-           static_cast<int64_t>(head) * D;
+  __device__ __forceinline__ int page(int pos) const { return __ldg(table + pos / block_size); }
+  __device__ __forceinline__ int64_t offset(int page, int pos, int head) const {
+    return static_cast<int64_t>(page) * block_stride +
+           static_cast<int64_t>(pos % block_size) * row_stride + static_cast<int64_t>(head) * D;
   }
 };
 
@@ -124,7 +123,10 @@ constexpr int BC = 64;           // keys per tile
 constexpr int LDQ = D + 8;       // halves; padded rows (bank conflicts), multiple of 8 for WMMA
 constexpr int LDS = BC + 4;      // floats; score rows
 constexpr int LDP = BC + 8;      // halves; probability rows
-constexpr int kKVBytes = BC * LDQ * 2;
+constexpr int LDV = BC + 8;      // halves; rows of the transposed V tile [256][LDV]
+// one buffer holds the K tile [BC][LDQ], then the V tile ([BC][LDQ], or transposed [D][LDV])
+constexpr int kKVBytes = (BC * LDQ > D * LDV ? BC * LDQ : D * LDV) * 2;
+constexpr int kOffBytes = 2 * BC * 8;  // row offsets of this key tile and the next
 constexpr int kWarpBytes = 16 * LDS * 4;      // scores, then P (fp16) + scratch + row factors
 constexpr int kScratchOff = 16 * LDP * 2;     // 16 x 16 floats after P
 constexpr int kRowOff = kScratchOff + 16 * 16 * 4;  // 16 floats: per-row factor
@@ -132,15 +134,14 @@ static_assert(kRowOff + 16 * 4 <= kWarpBytes, "warp region too small");
 static_assert(kScratchOff % 32 == 0 && kKVBytes % 32 == 0 && kWarpBytes % 32 == 0,
               "WMMA pointers must be 256-bit aligned");
 
-// NW warps of 16 query rows each. 4 warps (85 KB) fit a V100; 8 warps (136 KB) halve the K/V
+// NW warps of 16 query rows each. 4 warps (87 KB) fit a V100; 8 warps (137 KB) halve the K/V
 // traffic per query row where the device allows that much shared memory per block.
 template <int NW>
 struct Cfg {
-  static constexpr int kWarps = NW;
   static constexpr int kThreads = NW * 32;
   static constexpr int BR = 16 * NW;  // query rows per block
   static constexpr int kQBytes = BR * LDQ * 2;
-  static constexpr int kSmemBytes = kQBytes + kKVBytes + NW * kWarpBytes;
+  static constexpr int kSmemBytes = kQBytes + kKVBytes + NW * kWarpBytes + kOffBytes;
   static_assert(kQBytes % 32 == 0, "WMMA pointers must be 256-bit aligned");
 };
 static_assert(Cfg<4>::kSmemBytes <= 96 * 1024, "4 warps must fit a V100's 96 KB per block");
@@ -151,21 +152,71 @@ using FragBr = wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::row_major>
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 constexpr int kAccElems = FragC::num_elements;
 
-// rows x 256 halves from global rows (row_ptr(i) or null for a zero row) into shared [rows][LDQ].
-template <int ROWS, int THREADS, typename RowPtr>
-__device__ __forceinline__ void load_tile(half* dst, RowPtr row_ptr) {
+// ROWS x 256 halves into shared [ROWS][LDQ] from base + row_off(r) (a negative offset is a
+// zero row). The trip count is a compile-time constant, so every 16-byte load of a batch is in
+// flight before the first store: one memory latency per batch, not one per load.
+template <int ROWS, int THREADS, typename RowOff>
+__device__ __forceinline__ void load_tile(half* dst, const half* base, RowOff row_off) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += THREADS) {
-    const int r = idx / kChunks;
-    const int c = idx % kChunks;
-    const half* src = row_ptr(r);
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (src != nullptr) val = __ldg(reinterpret_cast<const uint4*>(src) + c);
-    *reinterpret_cast<uint4*>(dst + r * LDQ + c * 8) = val;
+  constexpr int kIters = ROWS * kChunks / THREADS;
+  constexpr int kBatch = kIters < 8 ? kIters : 8;  // at most 32 registers in flight
+  static_assert(ROWS * kChunks % THREADS == 0 && kIters % kBatch == 0, "tile/thread mismatch");
+#pragma unroll
+  for (int b = 0; b < kIters; b += kBatch) {
+    uint4 val[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int idx = threadIdx.x + (b + i) * THREADS;
+      const int64_t off = row_off(idx / kChunks);
+      val[i] = off >= 0 ? __ldg(reinterpret_cast<const uint4*>(base + off) + idx % kChunks)
+                        : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int idx = threadIdx.x + (b + i) * THREADS;
+      *reinterpret_cast<uint4*>(dst + (idx / kChunks) * LDQ + (idx % kChunks) * 8) = val[i];
+    }
   }
 }
 
-template <int NW, typename KV>
+// The V tile transposed into shared [256][LDV] (Vt[d][key]), so P V reads V as a column-major
+// WMMA operand with 32-bit loads. Consecutive lanes take consecutive keys, which makes the
+// 2-byte transposing stores free of bank conflicts.
+template <int THREADS>
+__device__ __forceinline__ void load_v_transposed(half* dst, const half* base,
+                                                  const int64_t* row_off) {
+  constexpr int kChunks = D / 8;
+  constexpr int kIters = BC * kChunks / THREADS;
+  constexpr int kBatch = kIters < 8 ? kIters : 8;
+  static_assert(BC * kChunks % THREADS == 0 && kIters % kBatch == 0, "tile/thread mismatch");
+#pragma unroll
+  for (int b = 0; b < kIters; b += kBatch) {
+    uint4 val[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int idx = threadIdx.x + (b + i) * THREADS;
+      const int64_t off = row_off[idx % BC];
+      val[i] = off >= 0 ? __ldg(reinterpret_cast<const uint4*>(base + off) + idx / BC)
+                        : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int idx = threadIdx.x + (b + i) * THREADS;
+      const int key = idx % BC;
+      const int d0 = (idx / BC) * 8;
+      const uint32_t words[4] = {val[i].x, val[i].y, val[i].z, val[i].w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const uint32_t w = words[e / 2];
+        const unsigned short bits = static_cast<unsigned short>(e % 2 ? w >> 16 : w & 0xffffu);
+        dst[(d0 + e) * LDV + key] = __ushort_as_half(bits);
+      }
+    }
+  }
+}
+
+// VT: V tile transposed in shared memory (see load_v_transposed) or row-major as loaded.
+template <int NW, bool VT, typename KV>
 __global__ void __launch_bounds__(NW * 32, 8 / NW) attn_fp16_kernel(Params p, KV kv) {
   using C = Cfg<NW>;
   constexpr int BR = C::BR;
@@ -173,6 +224,7 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW) attn_fp16_kernel(Params p, KV
   extern __shared__ __align__(128) unsigned char smem[];
   half* sQ = reinterpret_cast<half*>(smem);
   half* sKV = reinterpret_cast<half*>(smem + kQBytes);
+  int64_t* s_off = reinterpret_cast<int64_t*>(smem + kQBytes + kKVBytes + NW * kWarpBytes);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   unsigned char* region = smem + kQBytes + kKVBytes + warp * kWarpBytes;
@@ -189,10 +241,16 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW) attn_fp16_kernel(Params p, KV
   key_range(p, q0, BR, split, k0, k1);
 
   const half* q = static_cast<const half*>(p.q);
-  load_tile<BR, C::kThreads>(sQ, [&](int r) -> const half* {
+  load_tile<BR, C::kThreads>(sQ, q, [&](int r) -> int64_t {
     const int qi = q0 + r;
-    return qi < p.tq ? q + (static_cast<int64_t>(qi) * p.hq + head) * D : nullptr;
+    return qi < p.tq ? (static_cast<int64_t>(qi) * p.hq + head) * D : -1;
   });
+  // Row offsets of key tile j0 (-1 past the end) go to s_off[buf * BC + r]; the block-table
+  // read of the NEXT tile is issued before P V and stored after it, so its latency is hidden.
+  if (threadIdx.x < BC && k0 < k1) {
+    const int pos = k0 + threadIdx.x;
+    s_off[threadIdx.x] = pos < k1 ? kv.offset(kv.page(pos), pos, kv_head) : -1;
+  }
 
   // Which row of the 16 x 16 tile each accumulator element of this lane holds.
   for (int e = lane; e < 256; e += 32) scratch[e] = static_cast<float>(e / 16);
@@ -215,12 +273,11 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW) attn_fp16_kernel(Params p, KV
   float m_run = -INFINITY;
   float l_part = 0.0f;
 
-  for (int j0 = k0; j0 < k1; j0 += BC) {
-    __syncthreads();  // previous tile's V (and, first time, nothing) no longer read
-    load_tile<BC, C::kThreads>(sKV, [&](int r) -> const half* {
-      const int pos = j0 + r;
-      return pos < k1 ? kv.k + kv.offset(pos, kv_head) : nullptr;
-    });
+  int buf = 0;
+  for (int j0 = k0; j0 < k1; j0 += BC, buf ^= 1) {
+    __syncthreads();  // previous tile's V no longer read; this tile's offsets visible
+    const int64_t* off = s_off + buf * BC;
+    load_tile<BC, C::kThreads>(sKV, kv.k, [&](int r) -> int64_t { return off[r]; });
     __syncthreads();
 
     // S = Q K^T for this warp's 16 rows x 64 keys.
@@ -285,10 +342,14 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW) attn_fp16_kernel(Params p, KV
     }
 
     __syncthreads();  // all warps done with K
-    load_tile<BC, C::kThreads>(sKV, [&](int r) -> const half* {
-      const int pos = j0 + r;
-      return pos < k1 ? kv.v + kv.offset(pos, kv_head) : nullptr;
-    });
+    if constexpr (VT) {
+      load_v_transposed<C::kThreads>(sKV, kv.v, off);
+    } else {
+      load_tile<BC, C::kThreads>(sKV, kv.v, [&](int r) -> int64_t { return off[r]; });
+    }
+    const int next_pos = j0 + BC + static_cast<int>(threadIdx.x);
+    const bool fetch = threadIdx.x < BC && j0 + BC < k1;
+    const int next_page = (fetch && next_pos < k1) ? kv.page(next_pos) : 0;
     __syncthreads();
 
     // O += P V
@@ -298,10 +359,20 @@ __global__ void __launch_bounds__(NW * 32, 8 / NW) attn_fp16_kernel(Params p, KV
       wmma::load_matrix_sync(a, sP + kk * 16, LDP);
 #pragma unroll
       for (int n = 0; n < D / 16; ++n) {
-        FragBr b;
-        wmma::load_matrix_sync(b, sKV + kk * 16 * LDQ + n * 16, LDQ);
-        wmma::mma_sync(acc[n], a, b, acc[n]);
+        if constexpr (VT) {
+          FragBc b;
+          wmma::load_matrix_sync(b, sKV + n * 16 * LDV + kk * 16, LDV);
+          wmma::mma_sync(acc[n], a, b, acc[n]);
+        } else {
+          FragBr b;
+          wmma::load_matrix_sync(b, sKV + kk * 16 * LDQ + n * 16, LDQ);
+          wmma::mma_sync(acc[n], a, b, acc[n]);
+        }
       }
+    }
+    if (fetch) {
+      s_off[(buf ^ 1) * BC + threadIdx.x] =
+          next_pos < k1 ? kv.offset(next_page, next_pos, kv_head) : -1;
     }
   }
 
@@ -405,7 +476,7 @@ __global__ void __launch_bounds__(kThreads) attn_fp32_kernel(Params p, KV kv) {
       const int pos = j0 + r;
       float kx = 0.0f, vx = 0.0f;
       if (pos < k1) {
-        const int64_t off = kv.offset(pos, kv_head) + c;
+        const int64_t off = kv.offset(kv.page(pos), pos, kv_head) + c;
         kx = kv.k[off];
         vx = kv.v[off];
       }
@@ -517,196 +588,95 @@ __global__ void __launch_bounds__(D) merge_splits_kernel(const float* ws_o, cons
   out[(static_cast<int64_t>(qi) * hq + head) * D + d] = from_float<T>(acc / l);
 }
 
+static_assert(cuda::kKeyTile % f16::BC == 0 && cuda::kKeyTile % f32::BC == 0,
+              "split lengths must hold whole key tiles");
+
 // ---------------------------------------------------------------------------------------------
-// Host side.
+// Host side: argument checks, workspace and stream are the op layer's (attn_d256.cpp).
 
-int round_up(int x, int to) { return (x + to - 1) / to * to; }
-
-int smem_optin(const at::Tensor& q) {
-  int optin = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                        q.get_device()));
-  return optin;
-}
-
-template <typename Kernel>
-void set_smem(Kernel kernel, int bytes, const at::Tensor& q) {
-  const int optin = smem_optin(q);
-  TORCH_CHECK(bytes <= optin, "dflash_d256: the kernel needs ", bytes, " bytes of shared memory "
-              "per block, device ", q.get_device(), " allows ", optin);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-}
-
-// The kernels move 16-byte vectors: every tensor must start on a 16-byte boundary (any tensor
-// torch allocates does; a view at an odd element offset may not).
-void check_aligned(const char* op, std::initializer_list<const at::Tensor*> ts) {
-  for (const at::Tensor* t : ts) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "dflash_d256::", op,
-                ": CUDA tensors must start on a 16-byte boundary; this one is a view at an "
-                "unaligned offset: pass .clone() of it");
+template <typename KV>
+cudaError_t launch_attention(const Launch& a, const KV& kv, const dim3& grid, const Params& p,
+                             cudaStream_t stream, const char** what) {
+  const int bytes = cuda::smem_bytes(a);
+  cudaError_t err = cudaSuccess;
+  auto start = [&](auto kernel, int threads) {
+    *what = "setting the kernel's shared memory size";
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) return;
+    *what = "launching the attention kernel";
+    kernel<<<grid, threads, bytes, stream>>>(p, kv);
+    err = cudaGetLastError();
+  };
+  if constexpr (std::is_same_v<decltype(kv.k), const float*>) {
+    start(f32::attn_fp32_kernel<KV>, f32::kThreads);
+  } else if (a.warps == 8) {
+    a.v_transposed ? start(f16::attn_fp16_kernel<8, true, KV>, 256)
+                   : start(f16::attn_fp16_kernel<8, false, KV>, 256);
+  } else {
+    a.v_transposed ? start(f16::attn_fp16_kernel<4, true, KV>, 128)
+                   : start(f16::attn_fp16_kernel<4, false, KV>, 128);
   }
+  return err;
 }
 
-// Warps per block of the fp16 kernel: $DFLASH_D256_CUDA_WARPS (4 or 8) if set, else 8 where the
-// device gives a block enough shared memory (A100, H100: yes; V100: no, 4).
-int fp16_warps(const at::Tensor& q) {
-  if (const char* env = std::getenv("DFLASH_D256_CUDA_WARPS")) {
-    const std::string v(env);
-    TORCH_CHECK(v == "4" || v == "8", "dflash_d256: DFLASH_D256_CUDA_WARPS must be 4 or 8, got '",
-                v, "'");
-    return v == "8" ? 8 : 4;
-  }
-  return smem_optin(q) >= f16::Cfg<8>::kSmemBytes ? 8 : 4;
-}
-
-template <int NW, typename KVH>
-void launch_fp16(const dim3& grid, const Params& p, const KVH& kv, const at::Tensor& q,
-                 cudaStream_t stream) {
-  using C = f16::Cfg<NW>;
-  auto kernel = f16::attn_fp16_kernel<NW, KVH>;
-  set_smem(kernel, C::kSmemBytes, q);
-  kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, kv);
-}
-
-template <typename KVH, typename KVF>
-void launch(const at::Tensor& q, at::Tensor& out, int64_t tk, int64_t hkv, double scale,
-            bool causal, int64_t num_splits, const KVH& kv_half, const KVF& kv_float) {
-  const int64_t tq = q.size(0);
-  const int64_t hq = q.size(1);
-  if (tq == 0) return;
-  TORCH_CHECK(tk < (int64_t{1} << 30) && tq * hq < (int64_t{1} << 30),
-              "dflash_d256: sequence too long for the CUDA kernels (Tk ", tk, ", Tq x Hq ",
-              tq * hq, "); at most 2^30");
-  TORCH_CHECK(hq <= 65535, "dflash_d256: at most 65535 query heads on CUDA, got ", hq);
-  const bool fp16 = q.scalar_type() == at::kHalf;
-  const int warps = fp16 ? fp16_warps(q) : 0;
-  const int br = fp16 ? 16 * warps : f32::BR;
-  const int64_t tiles = (tq + br - 1) / br;
-  TORCH_CHECK(tiles <= 65535, "dflash_d256: Tq ", tq, " needs ", tiles, " query tiles, the CUDA "
-              "grid allows 65535; split the prefill into chunks");
-  // Splits hold whole key tiles of either kernel (64 is a multiple of both).
-  int split_len = round_up(static_cast<int>((tk + num_splits - 1) / num_splits), f16::BC);
-  const int splits = std::max<int>(1, static_cast<int>((tk + split_len - 1) / split_len));
-  if (splits == 1) split_len = round_up(static_cast<int>(std::max<int64_t>(tk, 1)), f16::BC);
-
+template <typename T>
+cudaError_t run_typed(const Launch& a, cudaStream_t stream, const char** what) {
   Params p{};
-  p.q = q.data_ptr();
-  p.out = out.data_ptr();
-  p.tq = static_cast<int>(tq);
-  p.tk = static_cast<int>(tk);
-  p.hq = static_cast<int>(hq);
-  p.group = static_cast<int>(hq / hkv);
-  p.split_len = split_len;
-  p.scale_log2 = static_cast<float>(scale) * kLog2e;
-  p.causal = causal;
-  at::Tensor ws_o, ws_m, ws_l;
-  if (splits > 1) {
-    const auto f32opt = q.options().dtype(at::kFloat);
-    ws_o = at::empty({splits, hq, tq, D}, f32opt);
-    ws_m = at::empty({splits, hq, tq}, f32opt);
-    ws_l = at::empty({splits, hq, tq}, f32opt);
-    p.ws_o = ws_o.data_ptr<float>();
-    p.ws_m = ws_m.data_ptr<float>();
-    p.ws_l = ws_l.data_ptr<float>();
+  p.q = a.q;
+  p.out = a.out;
+  p.tq = a.tq;
+  p.tk = a.tk;
+  p.hq = a.hq;
+  p.group = a.hq / a.hkv;
+  p.split_len = a.split_len;
+  p.scale_log2 = a.softmax_scale * kLog2e;
+  p.causal = a.causal;
+  if (a.splits > 1) {
+    p.ws_o = a.ws_o;
+    p.ws_m = a.ws_m;
+    p.ws_l = a.ws_l;
   }
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-  const dim3 grid(static_cast<unsigned>(hq), static_cast<unsigned>(tiles),
-                  static_cast<unsigned>(splits));
-  if (fp16) {
-    if (warps == 8) {
-      launch_fp16<8>(grid, p, kv_half, q, stream);
-    } else {
-      launch_fp16<4>(grid, p, kv_half, q, stream);
-    }
+  const int tile = cuda::query_tile(a);
+  const dim3 grid(static_cast<unsigned>(a.hq), static_cast<unsigned>((a.tq + tile - 1) / tile),
+                  static_cast<unsigned>(a.splits));
+  const int64_t row_stride = static_cast<int64_t>(a.hkv) * D;
+  const T* k = static_cast<const T*>(a.k);
+  const T* v = static_cast<const T*>(a.v);
+  cudaError_t err;
+  if (a.block_table != nullptr) {
+    const PagedKV<T> kv{k, v, a.block_table, a.block_size, row_stride,
+                        static_cast<int64_t>(a.block_size) * row_stride};
+    err = launch_attention(a, kv, grid, p, stream, what);
   } else {
-    auto kernel = f32::attn_fp32_kernel<KVF>;
-    set_smem(kernel, f32::kSmemBytes, q);
-    kernel<<<grid, f32::kThreads, f32::kSmemBytes, stream>>>(p, kv_float);
+    const DenseKV<T> kv{k, v, row_stride};
+    err = launch_attention(a, kv, grid, p, stream, what);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (splits > 1) {
-    const dim3 mgrid(static_cast<unsigned>(tq), static_cast<unsigned>(hq));
-    if (fp16) {
-      merge_splits_kernel<half><<<mgrid, D, 0, stream>>>(
-          p.ws_o, p.ws_m, p.ws_l, static_cast<half*>(p.out), splits, p.tq, p.hq);
-    } else {
-      merge_splits_kernel<float><<<mgrid, D, 0, stream>>>(
-          p.ws_o, p.ws_m, p.ws_l, static_cast<float*>(p.out), splits, p.tq, p.hq);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  if (err != cudaSuccess || a.splits == 1) return err;
+  *what = "launching the split-KV merge";
+  const dim3 mgrid(static_cast<unsigned>(a.tq), static_cast<unsigned>(a.hq));
+  merge_splits_kernel<T><<<mgrid, D, 0, stream>>>(a.ws_o, a.ws_m, a.ws_l, static_cast<T*>(a.out),
+                                                   a.splits, a.tq, a.hq);
+  return cudaGetLastError();
 }
-
-void run_dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-               double scale, bool causal, int64_t num_splits) {
-  const int64_t row_stride = k.size(1) * D;
-  DenseKV<half> kvh{nullptr, nullptr, row_stride};
-  DenseKV<float> kvf{nullptr, nullptr, row_stride};
-  if (q.scalar_type() == at::kHalf) {
-    kvh.k = reinterpret_cast<const half*>(k.data_ptr());
-    kvh.v = reinterpret_cast<const half*>(v.data_ptr());
-  } else {
-    kvf.k = k.data_ptr<float>();
-    kvf.v = v.data_ptr<float>();
-  }
-  launch(q, out, k.size(0), k.size(1), scale, causal, num_splits, kvh, kvf);
-}
-
-void dense_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                double softmax_scale, bool causal) {
-  check_dense("dense", q, k, v, out, softmax_scale);
-  check_aligned("dense", {&q, &k, &v, &out});
-  c10::cuda::CUDAGuard guard(q.device());
-  run_dense(q, k, v, out, softmax_scale, causal, 1);
-}
-
-void dense_splitkv_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        at::Tensor& out, double softmax_scale, bool causal, int64_t num_splits) {
-  check_dense("dense_splitkv", q, k, v, out, softmax_scale);
-  TORCH_CHECK(num_splits >= 1 && num_splits <= kMaxSplits, "dflash_d256::dense_splitkv: "
-              "num_splits must be in [1, ", kMaxSplits, "], got ", num_splits);
-  check_aligned("dense_splitkv", {&q, &k, &v, &out});
-  c10::cuda::CUDAGuard guard(q.device());
-  run_dense(q, k, v, out, softmax_scale, causal, std::max<int64_t>(1, std::min(num_splits,
-                                                                              k.size(0))));
-}
-
-#ifndef DFLASH_DENSE_ONLY
-void paged_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                const at::Tensor& block_table, int64_t kv_len, at::Tensor& out,
-                double softmax_scale, bool causal) {
-  check_paged_shapes(q, k_cache, v_cache, block_table, kv_len, out, softmax_scale);
-  check_aligned("paged", {&q, &k_cache, &v_cache, &out});
-  const int64_t bs = k_cache.size(1);
-  const int64_t used = (kv_len + bs - 1) / bs;
-  // Block ids are checked on a host copy of the used entries (one small copy, synchronous):
-  // an out-of-range id read on the device would be an illegal address, not an error message.
-  check_block_table_values(block_table.narrow(0, 0, used).cpu(), kv_len, bs, k_cache.size(0));
-  c10::cuda::CUDAGuard guard(q.device());
-  const int64_t hkv = k_cache.size(2);
-  const int64_t row_stride = hkv * D;
-  PagedKV<half> kvh{nullptr, nullptr, block_table.data_ptr<int32_t>(), static_cast<int>(bs),
-                    row_stride, bs * row_stride};
-  PagedKV<float> kvf = {nullptr, nullptr, kvh.table, kvh.block_size, row_stride,
-                        bs * row_stride};
-  if (q.scalar_type() == at::kHalf) {
-    kvh.k = reinterpret_cast<const half*>(k_cache.data_ptr());
-    kvh.v = reinterpret_cast<const half*>(v_cache.data_ptr());
-  } else {
-    kvf.k = k_cache.data_ptr<float>();
-    kvf.v = v_cache.data_ptr<float>();
-  }
-  launch(q, out, kv_len, hkv, softmax_scale, causal, 1, kvh, kvf);
-}
-#endif
 
 }  // namespace
-}  // namespace dflash_d256
 
-TORCH_LIBRARY_IMPL(dflash_d256, CUDA, m) {
-  m.impl("dense", &dflash_d256::dense_cuda);
-  m.impl("dense_splitkv", &dflash_d256::dense_splitkv_cuda);
-#ifndef DFLASH_DENSE_ONLY
-  m.impl("paged", &dflash_d256::paged_cuda);
-#endif
+namespace cuda {
+
+int query_tile(const Launch& a) { return a.fp16 ? 16 * a.warps : f32::BR; }
+
+int smem_bytes(const Launch& a) {
+  if (!a.fp16) return f32::kSmemBytes;
+  return a.warps == 8 ? f16::Cfg<8>::kSmemBytes : f16::Cfg<4>::kSmemBytes;
 }
+
+int run(const Launch& a, const char** what) {
+  *what = "nothing";
+  if (a.tq == 0) return cudaSuccess;
+  const cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  return static_cast<int>(a.fp16 ? run_typed<half>(a, stream, what)
+                                 : run_typed<float>(a, stream, what));
+}
+
+}  // namespace cuda
+}  // namespace dflash_d256
