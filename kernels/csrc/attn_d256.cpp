@@ -484,11 +484,12 @@ void run_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         q.get_device()));
   // fp16 kernel shape: $DFLASH_D256_CUDA_WARPS (4 or 8; default 8 where a block may have the
-  // shared memory, else 4) and $DFLASH_D256_CUDA_VT (V staged transposed: 1, default, or 0)
+  // shared memory, else 4) and $DFLASH_D256_CUDA_VT (V staged transposed: 1, or as loaded: 0,
+  // the default; on an H200 the transposing stores cost more than the 32-bit V reads save)
   a.warps = 8;
   const bool fits8 = cuda::smem_bytes(a) <= optin;
   a.warps = std::stoi(env_choice("DFLASH_D256_CUDA_WARPS", {"4", "8"}, fits8 ? "8" : "4"));
-  a.v_transposed = env_choice("DFLASH_D256_CUDA_VT", {"0", "1"}, "1") == "1";
+  a.v_transposed = env_choice("DFLASH_D256_CUDA_VT", {"0", "1"}, "0") == "1";
   TORCH_CHECK(cuda::smem_bytes(a) <= optin, "dflash_d256: the CUDA kernel needs ",
               cuda::smem_bytes(a), " bytes of shared memory per block, device ", q.get_device(),
               " allows ", optin, (a.fp16 && a.warps == 8 ? "; set DFLASH_D256_CUDA_WARPS=4" : ""));

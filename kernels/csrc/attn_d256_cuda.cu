@@ -25,8 +25,8 @@
 //   buffer, loaded with every 16-byte load of a batch in flight. Per key tile a warp computes its
 //   16 x 64 scores with WMMA, does the online-softmax step on them through shared memory,
 //   rescales its 16 x 256 output accumulator (WMMA fragments, in registers) and adds P V with
-//   WMMA, P rounded to fp16 in [0, 1] as in every FA2 kernel. V is staged transposed, so its
-//   fragments load with 32-bit reads (option). Rescaling accumulator fragments needs the row of
+//   WMMA, P rounded to fp16 in [0, 1] as in every FA2 kernel. Optionally V is staged transposed
+//   so its fragments load with 32-bit reads (slower on an H200: off by default). Rescaling accumulator fragments needs the row of
 //   each fragment element, whose layout CUDA leaves unspecified: the kernel learns it at start by
 //   loading a matrix of row numbers into a fragment (portable to any architecture). Paged K/V
 //   rows are located once per tile (block-table read issued a tile ahead).

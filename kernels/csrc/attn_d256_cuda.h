@@ -28,7 +28,7 @@ struct Launch {
   float* ws_m;                  // [splits, Hq, Tq]
   float* ws_l;                  // [splits, Hq, Tq]
   int warps;                    // fp16 kernel: 4 or 8 warps per block
-  bool v_transposed;            // fp16 kernel: V staged transposed in shared memory
+  bool v_transposed;            // fp16 kernel: V staged transposed in shared memory (option)
   void* stream;                 // cudaStream_t
 };
 
