@@ -95,8 +95,8 @@ def reference_attention(
     for r0 in range(0, tq, _ORACLE_ROWS):
         r1 = min(tq, r0 + _ORACLE_ROWS)
         scores = torch.matmul(qd[:, r0:r1], kd.transpose(1, 2)) * softmax_scale
-        if causal:
-            visible = causal_mask(tq, tk, q.device)[r0:r1]
+        if causal:  # rows r0..r1 of the bottom-right mask (never the whole [Tq, Tk] matrix)
+            visible = torch.ones(r1 - r0, tk, dtype=torch.bool, device=q.device).tril(tk - tq + r0)
             scores.masked_fill_(~visible, float("-inf"))
         out[:, r0:r1] = torch.matmul(scores.softmax(-1), vd)
     return out.permute(1, 0, 2)

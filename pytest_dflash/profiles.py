@@ -56,7 +56,8 @@ SIZES: dict[str, ProfileSizes] = {
     "full": ProfileSizes(
         ppl_segments=16, ppl_bytes=1024, quality_tasks=300, prefill_lengths=(32768, 65536),
         verify_prompt=4096, geometry_divisor=1, gemm_divisor=1, benchmark_rounds=30,
-        attn_long_t=(2048, 8192), attn_paged=(1031, 4099), attn_speed_t=(32768, 65536)),
+        attn_long_t=(2048, 8192, 32768, 65536), attn_paged=(1031, 4099),
+        attn_speed_t=(32768, 65536)),
 }
 
 

@@ -12,6 +12,7 @@ loader must abort the child (SIGABRT), so the refusal is proven to have prevente
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from pathlib import Path
 
@@ -30,9 +31,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return library_files(tmp_path_factory.mktemp("d256_libraries"))
 
 
-def scenarios_for(impl: str, files: dict[str, Path]) -> list[Scenario]:
+def scenarios_for(impl: str, files: dict[str, Path], device: str) -> list[Scenario]:
+    """Every scenario on the gate's device: the loader verifies the ops there and the route
+    runs there, so this gate cannot pass on a device where the parity gate finds no kernel."""
     f = {name: str(path) for name, path in files.items()}
-    return [
+    scenarios = [
         Scenario("bundled", route_impl=impl),
         Scenario("missing", bundled=None, route_impl=impl),
         Scenario("partial", bundled=f["dense_only"], route_impl=impl),
@@ -50,6 +53,7 @@ def scenarios_for(impl: str, files: dict[str, Path]) -> list[Scenario]:
         Scenario("clash_control", raw_load=f["sidecar_copy"], preload=f["clash_copy"]),
         Scenario("sidecar_while_bundled", sidecar=f["sidecar_copy"], route_impl=impl),
     ]
+    return [dataclasses.replace(s, device=device) for s in scenarios]
 
 
 _RESULTS: dict[str, dict[str, Outcome]] = {}
@@ -63,9 +67,10 @@ def outcomes(dflash_gate, files) -> dict[str, Outcome]:
         pytest.fail(f"{route.name}: the loader gate runs the route in child interpreters "
                     "and needs its impl as a 'module:attribute' string, got "
                     f"{type(route.impl).__name__}")
-    if route.name not in _RESULTS:
-        _RESULTS[route.name] = run_scenarios(scenarios_for(route.impl, files))
-    return _RESULTS[route.name]
+    key = f"{route.name}@{dflash_gate.device}"
+    if key not in _RESULTS:
+        _RESULTS[key] = run_scenarios(scenarios_for(route.impl, files, str(dflash_gate.device)))
+    return _RESULTS[key]
 
 
 def ran_natively(o: Outcome, route: str) -> None:
@@ -96,13 +101,14 @@ def test_bundled_ops_are_real(dflash_gate, outcomes, files):
     o = outcomes["bundled"]
     st = clean_exit(o)
     assert st["state"] == "bundled", o.describe()
+    assert st["device"] == str(dflash_gate.device), o.describe()
     assert all(op["present"] and op["verified"] for op in st["ops"].values()), o.describe()
     assert Path(st["realpath"]) == files["full"].resolve(), o.describe()
     assert st["sha256"] == file_sha256(files["full"])
     assert st["cached"], "a second load_d256 call must return the cached status"
     assert fallback_warnings(o) == []
     ran_natively(o, dflash_gate.route.name)
-    dflash_gate.record(figure=f"bundled {st['sha256'][:12]}, ops verified: "
+    dflash_gate.record(figure=f"bundled {st['sha256'][:12]} on {st['device']}, ops verified: "
                               f"{', '.join(st['ops'])}",
                        scenario_seconds={n: round(s.seconds, 2) for n, s in outcomes.items()})
 

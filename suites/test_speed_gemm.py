@@ -53,10 +53,16 @@ def test_gemm_speed_large_m(dflash_gate, layer):
 def test_gemm_benchmark_large_m(dflash_gate, benchmark, layer, side):
     """The same pair through pytest-benchmark (one side per test, grouped per route and
     layer) so ``--benchmark-json`` / ``pytest-benchmark compare`` see these runs. The gate
-    decision is the paired test above; this test fails only on a wrong or unrun route."""
+    decision is the paired test above; this test fails only on a wrong or unrun route.
+
+    pytest-benchmark times wall clock, so on CUDA each timed call ends with a device
+    synchronize (``timing.synchronized``): an unsynchronised call would time its launch only."""
+    from pytest_dflash.timing import synchronized
+
     pair = GemmPair(dflash_gate, layer)
     pair.check_output()
-    fn = pair.candidate if side == "candidate" else pair.reference
+    fn = synchronized(pair.candidate if side == "candidate" else pair.reference,
+                      dflash_gate.device)
     measured_route = (dflash_gate.route if side == "candidate" else dflash_gate.baseline_route).name
     benchmark.group = f"{dflash_gate.route.name} {pair.label}"
     benchmark.extra_info.update(route=measured_route, side=side, shape=pair.label)

@@ -11,6 +11,11 @@ element fails. Split-KV cases use enough keys for several real splits.
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -162,22 +167,56 @@ def test_opcheck_on_cuda(cuda_ops):
                           (q, k_cache, v_cache, table, 40, out, SCALE, True))
 
 
-def test_cuda_refuses_bad_block_ids_unaligned_views_and_bad_settings(cuda_ops, monkeypatch):
-    q, k, v = make_qkv(4, 40, 4, 2, torch.float16)
-    k_cache, v_cache, table = paged_copy(k, v, 16)
-    bad = table.clone()
-    bad[1] = 99
-    with pytest.raises(RuntimeError, match=r"block_table\[1\] = 99 is out of range"):
-        cuda_ops.paged(q, k_cache, v_cache, bad, 40, torch.empty_like(q), SCALE, True)
-    flat = torch.randn(4 * 4 * 256 + 1, device="cuda", dtype=torch.float16)
-    q_odd = flat[1:].view(4, 4, 256)
-    with pytest.raises(RuntimeError, match="16-byte boundary"):
-        cuda_ops.dense(q_odd, k, v, torch.empty_like(q), SCALE, True)
-    with pytest.raises(RuntimeError, match="one device"):
-        cuda_ops.dense(q, k.cpu(), v, torch.empty_like(q), SCALE, True)
-    monkeypatch.setenv("DFLASH_D256_CUDA_WARPS", "6")
-    with pytest.raises(RuntimeError, match="DFLASH_D256_CUDA_WARPS must be one of 4, 8, got '6'"):
-        cuda_ops.dense(q, k, v, torch.empty_like(q), SCALE, True)
+_REFUSALS = r"""
+import json, os, torch
+from dflash_kernels.attention import fa2_status
+assert fa2_status("cuda").ok
+ops = torch.ops.dflash_d256
+gen = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(t, h, 256, generator=gen).to("cuda", torch.float16)
+           for t, h in ((4, 4), (40, 2), (40, 2)))
+flat = torch.randn(4 * 4 * 256 + 1, device="cuda", dtype=torch.float16)
+cache = torch.randn(6, 16, 2, 256, device="cuda", dtype=torch.float16)
+
+def refused(call):
+    try:
+        call()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+def bad_setting():
+    os.environ["DFLASH_D256_CUDA_WARPS"] = "6"
+    ops.dense(q, k, v, torch.empty_like(q), 0.0625, True)
+
+cases = {
+    "unaligned": lambda: ops.dense(flat[1:].view(4, 4, 256), k, v, torch.empty_like(q), 0.0625,
+                                   True),
+    "devices": lambda: ops.dense(q, k.cpu(), v, torch.empty_like(q), 0.0625, True),
+    "block_ids": lambda: ops.paged(q, cache, cache,
+                                   torch.tensor([0, 99, 1], dtype=torch.int32, device="cuda"),
+                                   40, torch.empty_like(q), 0.0625, True),
+    "setting": bad_setting,
+}
+print(json.dumps({name: refused(call) for name, call in cases.items()}))
+"""
+
+
+def test_cuda_refuses_bad_block_ids_unaligned_views_and_bad_settings(cuda_ops):
+    """Each bad call must raise with a message naming the problem. Run in a child interpreter:
+    a native crash on such a call must fail this test, not end the session."""
+    done = subprocess.run([sys.executable, "-c", _REFUSALS], capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode < 0:
+        pytest.fail(f"a refused call crashed the interpreter "
+                    f"({signal.Signals(-done.returncode).name}); stderr: {done.stderr[-2000:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    messages = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "16-byte boundary" in (messages["unaligned"] or ""), messages
+    assert "one device" in (messages["devices"] or ""), messages
+    assert "block_table[1] = 99 is out of range" in (messages["block_ids"] or ""), messages
+    assert "DFLASH_D256_CUDA_WARPS must be one of 4, 8, got '6'" in (messages["setting"] or ""), (
+        messages)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

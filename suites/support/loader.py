@@ -40,6 +40,7 @@ class Scenario:
     first_sidecar: str | None = None  # an earlier load_d256(first_sidecar, bundled=None) call
     raw_load: str | None = None  # torch.ops.load_library(...) with no loader at all (control)
     route_impl: str | None = None  # "module:attr" of the route to call once after loading
+    device: str = "cpu"  # the gate's device: the loader verifies and the route runs there
 
 
 @dataclass
@@ -125,17 +126,18 @@ def _parse(stdout: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------- child side
 
-def _call_route(impl_name: str) -> dict[str, Any]:
-    """Call the route's dense op once; report the hits it recorded or the error it raised."""
+def _call_route(impl_name: str, device: str) -> dict[str, Any]:
+    """Call the route's dense op once on ``device``; report the hits it recorded or the error
+    it raised."""
     import torch
 
     from pytest_dflash import hits
     from pytest_dflash.registry import resolve
 
     impl = resolve(impl_name)
-    q = torch.randn(8, 4, 256)
-    k = torch.randn(8, 1, 256)
-    v = torch.randn(8, 1, 256)
+    q = torch.randn(8, 4, 256, device=device)
+    k = torch.randn(8, 1, 256, device=device)
+    v = torch.randn(8, 1, 256, device=device)
     out = torch.full_like(q, float("nan"))
     try:
         with hits.counting() as delta:
@@ -162,18 +164,20 @@ def _child(spec: dict[str, Any]) -> None:
         if scenario.first_sidecar is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                loader.load_d256(scenario.first_sidecar, bundled=None)
+                loader.load_d256(scenario.first_sidecar, bundled=None, device=scenario.device)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            status = loader.load_d256(scenario.sidecar, bundled=scenario.bundled)
-            again = loader.load_d256(scenario.sidecar, bundled=scenario.bundled)
+            status = loader.load_d256(scenario.sidecar, bundled=scenario.bundled,
+                                      device=scenario.device)
+            again = loader.load_d256(scenario.sidecar, bundled=scenario.bundled,
+                                     device=scenario.device)
         report["status"] = status.as_json()
         report["status"]["cached"] = again is status
         report["warnings"] = [{"category": w.category.__name__, "message": str(w.message)}
                               for w in caught]
         report["loaded"] = loader.loaded_libraries()
         if scenario.route_impl is not None:
-            report["call"] = _call_route(scenario.route_impl)
+            report["call"] = _call_route(scenario.route_impl, scenario.device)
     print(json.dumps(report), flush=True)
 
 
