@@ -25,8 +25,8 @@ from pytest_dflash.loader import (
 )
 
 
-def run_child(code: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != SIDECAR_ENV}
+def run_child(code: str, **extra_env: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != SIDECAR_ENV} | extra_env
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -88,18 +88,21 @@ def test_library_without_the_namespace_is_not_loaded():
 
 
 def test_ops_without_a_kernel_for_the_device_are_not_verified():
-    """The bundled library has CPU kernels only: for CUDA the ops are present, not verified,
-    and the state is partial whatever hardware runs the test (the dispatcher is asked first)."""
+    """A bundled library built with CPU kernels only (DFLASH_CUDA_ARCH=none): for CUDA the ops
+    are present, not verified, the state is partial and the error gives the build's reason,
+    whatever hardware runs the test (the dispatcher is asked before any call)."""
     report = run_child(
         "import json, warnings; warnings.simplefilter('ignore')\n"
         "from pytest_dflash import loader\n"
         "st = loader.load_d256(device='cuda')\n"
-        "print(json.dumps([st.state, st.ops]))")
+        "print(json.dumps([st.state, st.ops]))", DFLASH_CUDA_ARCH="none")
     state, ops = report
     assert state == "partial"
     for op in ("dense", "paged"):
         assert ops[op]["present"] and not ops[op]["verified"]
         assert "no kernel for dispatch key CUDA" in ops[op]["error"]
+        assert ("the bundled build has no CUDA code (CUDA code not built: DFLASH_CUDA_ARCH=none)"
+                in ops[op]["error"]), ops[op]["error"]
 
 
 def test_current_status_follows_the_explicit_load():
