@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from pytest_dflash import reporting
 from pytest_dflash.environment import device_info, profile_of
 from pytest_dflash.profiles import per_size_values
 from pytest_dflash.session import bind, binding, state_of
@@ -92,6 +93,7 @@ def modify_items(config: pytest.Config, items: list[pytest.Item]) -> None:
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    reporting.deselect_skipped_benchmarks(config, items, lambda item: binding(item) is not None)
 
 
 def check_setup(item: pytest.Item) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from pytest_dflash import collection, environment, fixtures, hookspec, session
+from pytest_dflash import collection, environment, fixtures, hookspec, progress, reporting, session
 from pytest_dflash.loader import SIDECAR_ENV
 from pytest_dflash.session import DEFAULT_REPORT
 from pytest_dflash.vocabulary import GATE_KINDS, PROFILES
@@ -54,6 +54,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="score generated code even where no file-system jail can be built "
                          "(the host's files readable to it); recorded in the report "
                          "(docs/security.md)")
+    reporting.add_options(group)
     parser.addini("dflash_device", "default for --dflash-device", default="auto")
     parser.addini("dflash_profile", "default for --dflash-profile", default="")
     parser.addini("dflash_report", "default for --dflash-report", default=DEFAULT_REPORT)
@@ -76,6 +77,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.is_registered(fixtures):
         config.pluginmanager.register(fixtures, "dflash-fixtures")
     session.start(config)
+    reporting.check_options(config)
+    progress.install_for(config)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from pytest_dflash import junit, reporting, shipped
 from pytest_dflash import report as reports
-from pytest_dflash import shipped
 from pytest_dflash.environment import (
     device_info,
     fingerprint_of,
@@ -141,7 +141,9 @@ class EvidenceCollector:
         self.report: dict[str, Any] | None = None
         self.report_path = _report_path(config)
         self.problems: list[str] = []
+        self.history: reporting.Comparison | None = None
 
+    @pytest.hookimpl(tryfirst=True)  # before junitxml reads the flattened properties
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Fold each phase of a gate test into its entry: durations add up, a skip marks it
         skipped, a failure in setup/teardown is an error and in the call a failure."""
@@ -161,6 +163,7 @@ class EvidenceCollector:
         elif report.failed:
             test["outcome"] = "failed" if report.when == "call" else "error"
             test["message"] = _first_line(report)
+        junit.flatten(report, PROPERTY, {**bound, "measurements": test["measurements"]})
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -193,6 +196,9 @@ class EvidenceCollector:
                 return
         reports.write_atomic(evidence, self.report_path)
         self.report = evidence
+        junit.add_verdicts(config, evidence)
+        self.history = reporting.finish(config, evidence)
+        self.problems.extend(self.history.problems)
         if option(config, "strict"):
             pending = [r.name for r in self.state.candidates()
                        if evidence["routes"].get(r.name, {}).get("verdict") == "pending"]
@@ -213,6 +219,9 @@ class EvidenceCollector:
             for line in render(self.report):
                 tr.write_line(line)
             tr.write_line(f"report: {self.report_path}")
+        if self.history is not None:
+            for line, markup in reporting.summary_lines(self.history, self.config.rootpath):
+                tr.write_line(line, **markup)
         for problem in self.problems:
             tr.write_line(f"dflash: {problem}", red=True, bold=True)
 
