@@ -99,7 +99,7 @@ def plot_timing(route: str, kind: str, test: dict[str, Any], out: Path) -> list[
     Figure = _matplotlib()
     cols = min(len(series), 4 if len(series) > 4 else len(series))
     rows = math.ceil(len(series) / cols)
-    fig = Figure(figsize=(4.2 * cols, 3.0 * rows + 0.6), layout="constrained")
+    fig = Figure(figsize=(max(4.2 * cols, 6.4), 3.0 * rows + 0.6), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat[len(series):]:
         ax.set_visible(False)
@@ -168,13 +168,19 @@ def plot_parity(route: str, tests: list[dict[str, Any]], out: Path) -> list[Path
         from matplotlib import colormaps
 
         cmap = colormaps["tab20"]
-    floor = 1e-6
     for ax, key, title in ((axes[0], "abs", "max abs error / bound"),
                            (axes[1], "rel", "relative L2 / limit")):
+        # exact results (error 0) have no place on a log axis: drawn as triangles at its foot
+        positive = [p[key] for p in points if p[key] is not None and p[key] > 0]
+        floor = min(positive) / 10 if positive else 1e-3
         for index, name in enumerate(names):
-            xs = [i for i, p in enumerate(points) if p["test"] == name and p[key] is not None]
-            ys = [max(points[i][key], floor) for i in xs]
-            ax.scatter(xs, ys, s=14, color=cmap(index % 20), label=name, zorder=3)
+            xs = [i for i, p in enumerate(points) if p["test"] == name and p[key]]
+            ax.scatter(xs, [points[i][key] for i in xs], s=14, color=cmap(index % 20),
+                       label=name, zorder=3)
+        zeros = [i for i, p in enumerate(points) if p[key] == 0]
+        if zeros:
+            ax.scatter(zeros, [floor] * len(zeros), s=22, marker="v", color=NEUTRAL_COLOR,
+                       zorder=3, label="exactly 0")
         bad = [i for i, p in enumerate(points) if not p["ok"] and p[key] is not None]
         if bad:
             ax.scatter(bad, [max(points[i][key], floor) for i in bad], s=60, facecolors="none",
