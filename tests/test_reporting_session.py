@@ -103,12 +103,6 @@ def test_junit_has_flat_properties_per_gate_test_and_one_per_verdict(
     assert speed["measurements"]["ci_high"] == 0.92
 
 
-PROGRESS_CONFTEST = TOY + """
-import pytest_dflash.progress
-
-pytest_dflash.progress.DELAY_S = 0.0  # show progress from the first round
-"""
-
 TIMED = """
 import pytest
 
@@ -122,14 +116,18 @@ def test_speed(dflash_route, dflash_record, dflash_policy):
 """
 
 
-def test_long_gate_shows_progress_but_not_under_q(pytester: pytest.Pytester) -> None:
-    pytester.makeconftest(PROGRESS_CONFTEST)
+def test_long_gate_shows_progress_but_not_under_q(pytester: pytest.Pytester,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_dflash import progress
+
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)  # show progress from the second round on
+    pytester.makeconftest(TOY)
     pytester.makepyfile(test_timed=TIMED)
-    result = pytester.runpytest("-p", "no:randomly")
+    result = pytester.runpytest()
     # pytester output is not a TTY: plain lines, no carriage returns
     result.stdout.re_match_lines([r"dflash progress: test_speed\[toy\.mul\.fast\] toy sum: "
-                                  r"\d+/12 rounds \(cap 48\), ratio \d\.\d{3} "
-                                  r"\[\d\.\d{3}, \d\.\d{3}\] so far, needs CI upper < 0\.990"])
+                                  r"\d+/12 rounds \(cap 48\), ratio \d+\.\d{3} "
+                                  r"\[\d+\.\d{3}, \d+\.\d{3}\] so far, needs CI upper < 0\.990"])
     assert "\r" not in result.stdout.str()
     quiet = pytester.runpytest("-q")
     assert "dflash progress" not in quiet.stdout.str()
