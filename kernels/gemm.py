@@ -83,6 +83,17 @@ def workspace_bytes_per_tile(k: int, value_bytes: int = 4) -> int:
     return TILE_N * k * value_bytes
 
 
+def _check_bound_holds_a_tile(bound_bytes: int, k: int) -> None:
+    """Refuse, at prepare time, a bound below one fp32 tile of this weight (the largest tile a
+    call can need), so the op never has to raise for it."""
+    need = workspace_bytes_per_tile(k)
+    if bound_bytes < need:
+        raise ValueError(
+            f"workspace bound {bound_bytes} bytes is below one 32-column tile of this K = {k} "
+            f"weight ({need} bytes); raise workspace_bytes to at least {need}"
+        )
+
+
 @contextmanager
 def poisoned_buffers() -> Iterator[None]:
     """Inside this block, every scratch, workspace and output buffer the QPN kernels take is
@@ -292,6 +303,7 @@ class QPN4BoundedRoute(_QPNRoute):
         return self.workspace(device).peak_bytes
 
     def _build_args(self, w: QPNWeight) -> tuple[Any, ...]:
+        _check_bound_holds_a_tile(self.workspace_bytes, w.k)
         return (w.buffer, w.scales, w.fp16_prescaled_or_none(), w.global_scale, w.n, w.k,
                 self.workspace(w.device).id, self.workspace_bytes)
 
@@ -379,6 +391,7 @@ class QPN2PackedRoute(_QPNRoute):
         return shared_workspace(device).peak_bytes
 
     def _build_args(self, w: QPNWeight) -> tuple[Any, ...]:
+        _check_bound_holds_a_tile(self.workspace_bytes, w.k)
         return (w.buffer, w.scales, w.fp16_prescaled_or_none(), w.global_scale, w.n, w.k,
                 self.min_prefill_m, shared_workspace(w.device).id, self.workspace_bytes)
 

@@ -204,9 +204,10 @@ def test_bounded_workspace_is_never_exceeded_and_chunks_agree() -> None:
 
 
 def test_workspace_bound_below_one_tile_names_the_minimum() -> None:
-    route = QPN4BoundedRoute(workspace_bytes=1000)
-    with pytest.raises(ValueError, match=f"at least {workspace_bytes_per_tile(128)}"):
-        route.linear(_x(40), route.prepare(_weight()))
+    """Refused at prepare, before any call: the op (which checks too) never has to raise."""
+    for route in (QPN4BoundedRoute(workspace_bytes=1000), QPN2PackedRoute(workspace_bytes=1000)):
+        with pytest.raises(ValueError, match=f"at least {workspace_bytes_per_tile(128)}"):
+            route.prepare(_weight())
 
 
 def test_qpn2_packed_shares_one_workspace_per_device() -> None:
