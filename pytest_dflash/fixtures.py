@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from pytest_dflash import engine_setup
 from pytest_dflash.environment import profile_of, sidecar_path, torch_device
 from pytest_dflash.gate import GateContext
 from pytest_dflash.policy import Policy
@@ -94,7 +95,7 @@ def dflash_engine(pytestconfig: pytest.Config) -> Callable[[dict[str, str]], Any
                 config=pytestconfig, selection=dict(selection), profile=profile_of(pytestconfig))
             if engine is None:
                 raise RuntimeError("no pytest_dflash_engine implementation built an engine")
-            cache[key] = engine
+            cache[key] = engine_setup.factory_of(pytestconfig).adopt(engine)  # closed at the end
         return cache[key]
 
     return build
@@ -110,6 +111,9 @@ def dflash_gate(request: pytest.FixtureRequest, dflash_route: Route,
     case seeds, ``record(...)`` and the baseline/candidate engines."""
     bound = binding(request.node)
     kind = bound["kind"] if bound else request.node.get_closest_marker("gate").args[0]
+    config = request.config
     return GateContext(route=dflash_route, kind=kind, registry=dflash_registry,
                        policy=dflash_policy, profile=dflash_profile, device=dflash_device,
-                       record=dflash_record, engine=dflash_engine)
+                       record=dflash_record, engine=dflash_engine,
+                       data_dir=engine_setup.settings_of(config).data,
+                       servers=lambda: engine_setup.factory_of(config).servers())

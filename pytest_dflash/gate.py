@@ -20,6 +20,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_dflash.families import Family
@@ -42,7 +43,8 @@ class GateContext:
 
     def __init__(self, *, route: Route, kind: str, registry: RouteRegistry, policy: Policy,
                  profile: str, device: torch.device, record: Callable[..., None],
-                 engine: Callable[[dict[str, str]], Any]) -> None:
+                 engine: Callable[[dict[str, str]], Any], data_dir: Path | None = None,
+                 servers: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.route = route
         self.kind = kind
         self.registry = registry
@@ -51,6 +53,8 @@ class GateContext:
         self.device = device
         self._record = record
         self._engine = engine
+        self.data_dir = data_dir  # --dflash-data, or None for the shipped held-out data
+        self._servers = servers
 
     def __repr__(self) -> str:
         return f"<GateContext {self.kind} {self.route.name} profile={self.profile} " \
@@ -130,3 +134,40 @@ class GateContext:
     def engines(self) -> tuple[Any, Any]:
         """(baseline engine, candidate engine): the pair every model-level gate compares."""
         return self.engine(self.baseline_route.name), self.engine(self.route.name)
+
+    def require(self, *capabilities: str, engines: tuple[Any, ...] | None = None) -> tuple[
+            Any, ...]:
+        """The engines (default: :meth:`engines`) if each offers every named capability
+        (``pytest_dflash.engines.CAPABILITIES``); otherwise the test is skipped with the reason,
+        which leaves the gate pending: an engine that cannot measure something neither fails
+        nor passes a gate."""
+        import pytest
+
+        from pytest_dflash.engines import missing
+
+        engines = self.engines() if engines is None else engines
+        reason = missing(engines, capabilities)
+        if reason:
+            pytest.skip(f"{self.kind} gate needs {', '.join(capabilities)}: {reason}")
+        return engines
+
+    def record_engines(self, *engines: Any) -> None:
+        """Record what the engines were: their kind and capabilities, each one's route proof
+        (a server's switches and own counters) and every server the session started."""
+        import copy
+
+        from pytest_dflash.engines import capabilities_of
+
+        entries = []
+        for engine in engines:
+            entry: dict[str, Any] = {"engine": type(engine).__name__,
+                                     "selection": dict(getattr(engine, "selection", {})),
+                                     "capabilities": capabilities_of(engine).as_dict()}
+            proof = getattr(engine, "route_proof", None)
+            if callable(proof):
+                entry["route_proof"] = proof()
+            entries.append(entry)
+        self.record(engines=entries)
+        servers = self._servers() if self._servers is not None else []
+        if servers:
+            self.record(servers=copy.deepcopy(servers))

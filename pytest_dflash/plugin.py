@@ -17,7 +17,16 @@ from typing import Any
 
 import pytest
 
-from pytest_dflash import collection, environment, fixtures, hookspec, progress, reporting, session
+from pytest_dflash import (
+    collection,
+    engine_setup,
+    environment,
+    fixtures,
+    hookspec,
+    progress,
+    reporting,
+    session,
+)
 from pytest_dflash.loader import SIDECAR_ENV
 from pytest_dflash.session import DEFAULT_REPORT
 from pytest_dflash.vocabulary import GATE_KINDS, PROFILES
@@ -60,6 +69,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("dflash_report", "default for --dflash-report", default=DEFAULT_REPORT)
     parser.addini("dflash_strict", "default for --dflash-strict", type="bool", default=False)
     parser.addini("dflash_merge", "default for --dflash-merge", type="bool", default=False)
+    engine_setup.add_options(group, parser)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -79,6 +89,7 @@ def pytest_configure(config: pytest.Config) -> None:
     session.start(config)
     reporting.check_options(config)
     progress.install_for(config)
+    engine_setup.configure(config)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -103,7 +114,17 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_dflash_engine(config: pytest.Config, selection: dict[str, str], profile: str) -> Any:
-    """The embedded default engine, asked last: the reference engine on the gate device."""
-    from pytest_dflash.engines import reference
+    """The default engine, asked last, built from the session's route registry: the reference
+    engine on the gate device, or a server engine under --dflash-serve / --dflash-engine-url."""
+    return engine_setup.factory_of(config).build(selection)
 
-    return reference.build(selection, profile, device=environment.device_info(config)["type"])
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Close every engine and stop every server once the report is written."""
+    engine_setup.close(session.config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Also on an aborted session: no server outlives it."""
+    engine_setup.close(config)

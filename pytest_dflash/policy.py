@@ -41,8 +41,11 @@ class Policy:
     parity_rel_l2: dict[str, float] = field(
         default_factory=lambda: {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
     )
-    # ppl: max per-segment |PPL(candidate) - PPL(baseline)|
+    # ppl: max per-segment |PPL(candidate) - PPL(baseline)|, per token of the engine's tokenizer
     ppl_tolerance: float = 0.01
+    # and per byte (exp(NLL / UTF-8 bytes)): comparable across tokenizers; for a byte-level
+    # tokenizer the very same number as the per-token figure
+    ppl_byte_tolerance: float = 0.01
     # quality: paired McNemar exact test on discordant tasks, plus output-contract margins
     quality_alpha: float = 0.05
     quality_contract_margin: int = 0

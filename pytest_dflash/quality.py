@@ -278,6 +278,21 @@ def _records(results: Sequence[Mapping[str, Any]], route: str) -> list[Mapping[s
     return list(results)
 
 
+COMPLETION_CHARS = 240  # of each completion kept in the report's per-task records
+
+
+def _task_entry(record: Mapping[str, Any]) -> dict[str, Any]:
+    entry = {k: record[k] for k in ("passed", "contract_ok", "natural_stop")}
+    for key in ("status", "violations", "finish_reason"):
+        if key in record:
+            entry[key] = record[key]
+    if "completion" in record:
+        text, cut = str(record["completion"]), COMPLETION_CHARS
+        entry["completion"] = text if len(text) <= cut else \
+            f"{text[:cut]}... (+{len(text) - cut} chars)"
+    return entry
+
+
 def summarize_quality(
     baseline_results: Sequence[Mapping[str, Any]],
     candidate_results: Sequence[Mapping[str, Any]],
@@ -359,10 +374,10 @@ def summarize_quality(
         "natural_stop_rate_baseline": stops_base / n,
         "natural_stop_rate_candidate": stops_cand / n,
         # per task, both routes: what the outcome grid of `pytest-dflash plot` draws
+        # plus, where the records carry them, what a reject is diagnosed from: the sandbox
+        # status, the contract violations and the completion (truncated)
         "per_task": [
-            {"task_id": x["task_id"],
-             "baseline": {k: x[k] for k in ("passed", "contract_ok", "natural_stop")},
-             "candidate": {k: y[k] for k in ("passed", "contract_ok", "natural_stop")}}
+            {"task_id": x["task_id"], "baseline": _task_entry(x), "candidate": _task_entry(y)}
             for x, y in zip(base, cand, strict=True)
         ],
     }

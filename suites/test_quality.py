@@ -3,7 +3,9 @@
 Both routes complete the same held-out coding tasks (names and constants never seen in training)
 with the predeclared decoding (greedy, ``policy.quality_max_new_tokens``, the task stop strings);
 every completion runs against its asserts in the sandbox; per-task records feed the paired
-verdict (one-sided exact McNemar on discordant tasks, output-contract failures, natural-stop rate).
+verdict (one-sided exact McNemar on discordant tasks, output-contract failures, natural-stop rate)
+and go into the report (both routes' pass/fail, sandbox status, contract violations and the two
+completions, truncated), so a reject can be diagnosed from the report alone.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def complete_tasks(engine, tasks: list[dict], policy) -> list[dict]:
         records.append({"task_id": task["task_id"], "passed": bool(result.passed),
                         "contract_ok": bool(contract.ok),
                         "natural_stop": gen.finish_reason == "stop",
-                        "status": result.status, "violations": contract.violations})
+                        "status": result.status, "violations": contract.violations,
+                        "finish_reason": gen.finish_reason, "completion": gen.text})
     return records
 
 
@@ -54,10 +57,11 @@ def test_quality_heldout_tasks(dflash_gate):
     except SandboxUnavailable as exc:
         pytest.skip(str(exc))
     route, policy = dflash_gate.route, dflash_gate.policy
-    tasks = coding_tasks(dflash_gate.profile)
+    tasks = coding_tasks(dflash_gate.profile, dflash_gate.data_dir)
     baseline, candidate = dflash_gate.engines()
     base = complete_tasks(baseline, tasks, policy)
     cand = complete_tasks(candidate, tasks, policy)
+    dflash_gate.record_engines(baseline, candidate)
     summary = summarize_quality(base, cand, policy)
     failing = {r["task_id"]: r["violations"] for r in cand if not r["contract_ok"]}
     dflash_gate.record(**summary.measurements,
@@ -65,6 +69,7 @@ def test_quality_heldout_tasks(dflash_gate):
                        pass_at_1_metric_candidate=pass_at_1(cand),
                        decoding={"temperature": 0.0, "max_new_tokens":
                                  policy.quality_max_new_tokens},
+                       data=str(dflash_gate.data_dir) if dflash_gate.data_dir else "shipped",
                        contract_violations_candidate=failing,
                        sandbox_isolation=list(isolation))
     assert summary.ok, f"{route.name}: " + "; ".join(summary.reasons)

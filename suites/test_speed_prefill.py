@@ -52,8 +52,8 @@ def test_speed_cold_prefill(dflash_gate, size):
     from pytest_dflash.timing import speed_gate
 
     route, length = dflash_gate.route, size
-    ids = prompt_ids(length)
-    baseline, candidate = dflash_gate.engines()
+    baseline, candidate = dflash_gate.require("prefill_timing", "first_token_hash", "route_hits")
+    ids = prompt_ids(length, baseline.encode)
     cand = PrefillRuns(candidate, ids, f"{route.name} @{length}")
     base = PrefillRuns(baseline, ids, f"{route.baseline} @{length}")
     hits_before = candidate.route_hits().get(route.name, 0)

@@ -31,7 +31,8 @@ def test_validation_cost_engine_verify(dflash_gate):
     route, policy = dflash_gate.route, dflash_gate.policy
     enabled = dflash_gate.engine(route.name)
     disabled = dflash_gate.engine(dflash_gate.verify_route.name)
-    prompt = prompt_ids(dflash_gate.sizes.verify_prompt)
+    dflash_gate.require("verify_logits", "route_hits", engines=(enabled, disabled))
+    prompt = prompt_ids(dflash_gate.sizes.verify_prompt, enabled.encode)
     for engine in (enabled, disabled):
         engine.prefill(prompt)
     widths = range(1, policy.validation_max_m + 1)
