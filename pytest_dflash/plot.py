@@ -61,7 +61,9 @@ def timing_series(measurements: dict[str, Any], prefix: str = "",
             and isinstance(measurements.get("threshold"), (int, float))):
         width = re.fullmatch(r"per_m m(\d+)", prefix)
         label = f"verify M={width.group(1)}" if width else prefix
-        yield label or measurements.get("shape") or "timing", measurements
+        tokens = measurements.get("prompt_tokens")
+        yield (label or measurements.get("shape")
+               or (f"prompt of {tokens} tokens" if tokens else "timing")), measurements
     for key, value in measurements.items():
         if isinstance(value, dict) and key != "samples":
             yield from timing_series(value, f"{prefix} {key}".strip())
