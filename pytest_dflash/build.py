@@ -47,9 +47,17 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 # Portable flags only: the library must run on any x86-64/aarch64 machine the wheel lands on.
 # Vector speed comes from ATen's run-time dispatched kernels, not from -march.
 CFLAGS: tuple[str, ...] = ("-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-Wall")
-# nvcc: the .cu sources are plain CUDA behind a small launch interface (no torch headers: the op
-# layer, with ATen, stays in the C++ sources), so no torch include paths are needed here.
+# nvcc: a plain-CUDA source behind a small launch interface (attn_d256_cuda.cu) needs no torch
+# include paths; a source that includes ATen/c10/torch headers (qpn_gemm_cuda.cu, through
+# qpn_common.h) gets them, with torch's own half/bfloat16 conventions and C++20 like the C++ part.
 NVCC_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC")
+NVCC_TORCH_FLAGS: tuple[str, ...] = (
+    "-std=c++20", "--expt-relaxed-constexpr",
+    "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+)
+_TORCH_INCLUDE = re.compile(r'^\s*#\s*include\s*<(?:ATen|c10|torch)/', re.MULTILINE)
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 LIBRARY_STEM = "libdflash_d256"
 CUDA_ARCH_ENV = "DFLASH_CUDA_ARCH"
 _ARCH_TOKEN = re.compile(r"^(?:(sm|compute)_(\d{2,3})|(\d+)\.(\d))$")
@@ -226,6 +234,23 @@ def _torch_flags() -> list[str]:
     return flags
 
 
+def _includes_torch(src: Path, seen: frozenset[Path] = frozenset()) -> bool:
+    """Whether a CUDA source includes a torch header, itself or through a header of csrc/."""
+    text = src.read_text(errors="replace")
+    if _TORCH_INCLUDE.search(text):
+        return True
+    for name in _LOCAL_INCLUDE.findall(text):
+        header = src.parent / name
+        if header.is_file() and header not in seen and _includes_torch(header, seen | {src}):
+            return True
+    return False
+
+
+def _nvcc_torch_flags() -> list[str]:
+    """nvcc flags of a CUDA source that uses torch headers (a later -std wins over NVCC_FLAGS')."""
+    return [*NVCC_TORCH_FLAGS, *_torch_flags()]
+
+
 def _torch_link_flags(cuda: CudaPlan) -> list[str]:
     import torch
 
@@ -267,7 +292,7 @@ def build_plan(variant: str = "full") -> BuildPlan:
     link_flags = _torch_link_flags(cuda)
     nvcc_cmds = [
         (src, [str(cuda.nvcc), *NVCC_FLAGS, "-ccbin", cxx, *cuda.gencode(), *defines,
-               "-c", str(src)])
+               *(_nvcc_torch_flags() if _includes_torch(src) else []), "-c", str(src)])
         for src in cu_sources
     ]
     digest = hashlib.sha256()

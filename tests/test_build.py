@@ -141,3 +141,20 @@ def test_cuda_plan_says_why_no_cuda_code_is_built(monkeypatch):
         assert not any(part.startswith("-gencode") for part in build.build_key("full")[1])
     else:
         assert plan.enabled or "nvcc not found" in plan.reason or "no CUDA device" in plan.reason
+
+
+def test_cuda_sources_get_torch_flags_only_when_they_include_torch(tmp_path):
+    """A .cu including ATen directly or through a local header needs torch's include paths
+    (the merged CUDA build once failed on qpn_gemm_cuda.cu without them); a plain one does not."""
+    from pytest_dflash import build
+
+    (tmp_path / "plain.cu").write_text('#include <cuda_fp16.h>\n#include "plain.h"\n')
+    (tmp_path / "plain.h").write_text("#pragma once\n#include <cstdint>\n")
+    (tmp_path / "common.h").write_text("#pragma once\n#include <ATen/ATen.h>\n")
+    (tmp_path / "uses.cu").write_text('#include "common.h"\n')
+    (tmp_path / "direct.cu").write_text("  #  include <c10/cuda/CUDAStream.h>\n")
+    assert not build._includes_torch(tmp_path / "plain.cu")
+    assert build._includes_torch(tmp_path / "uses.cu")
+    assert build._includes_torch(tmp_path / "direct.cu")
+    shipped = {src.name: build._includes_torch(src) for src in build.csrc_dir().glob("*.cu")}
+    assert shipped == {"attn_d256_cuda.cu": False, "qpn_gemm_cuda.cu": True}
