@@ -126,8 +126,10 @@ def test_worker_identity_round_trip_and_tamper_check() -> None:
 
 CONFTEST = """
 import os
+import subprocess
+import sys
 import pytest
-from pytest_dflash import Route
+from pytest_dflash import Route, gpus
 
 IMPORT_TIME_VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")
 
@@ -140,11 +142,17 @@ def pytest_dflash_routes(registry):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     # before the plugin may refuse a timing gate: which worker, which card, which node id
+    # and what a server started by this worker (a served engine) sees, whatever the caller's
+    # environment says
+    server = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES', '-'))"],
+        env=gpus.server_env({**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}),
+        capture_output=True, text=True, timeout=60).stdout.strip()
     with open(os.environ["TOY_LOG"], "a") as log:
         log.write("\\t".join([item.nodeid, os.environ.get("PYTEST_XDIST_WORKER", "-"),
                               os.environ.get("DFLASH_GPU_SLOT", "-"),
                               os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
-                              IMPORT_TIME_VISIBLE or "-"]) + "\\n")
+                              IMPORT_TIME_VISIBLE or "-", server]) + "\\n")
 """
 
 TOYIMPL = """
@@ -191,9 +199,11 @@ def test_two_fake_gpus_two_workers_each_own_one_and_gates_stay_on_one_card(
     rows = _log(toy)
     assert len(rows) == 3 + 3 * 4
     cards_of_worker = collections.defaultdict(set)
-    for nodeid, worker, slot, visible, at_import in rows:
-        # the card was set before the worker imported anything (conftest import time)
-        assert visible == at_import == f"GPU-fake-{slot}", (nodeid, worker, visible, at_import)
+    for nodeid, worker, slot, visible, at_import, server in rows:
+        # the card was set before the worker imported anything (conftest import time), and a
+        # server the worker starts sees that card only
+        assert visible == at_import == server == f"GPU-fake-{slot}", (nodeid, worker, visible,
+                                                                     at_import, server)
         cards_of_worker[worker].add(visible)
     assert all(len(cards) == 1 for cards in cards_of_worker.values()), cards_of_worker
     owners = [next(iter(c)) for c in cards_of_worker.values()]
@@ -235,7 +245,7 @@ def test_cpu_device_keeps_plain_xdist(toy: pytest.Pytester,
     result = toy.runpytest_subprocess("-n", "3", "--dflash-device", "cpu", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3, skipped=12)  # timing gates refused under xdist on the CPU
     assert "one GPU each" not in result.stdout.str()
-    assert {tuple(row[2:]) for row in _log(toy)} == {("-", "-", "-")}
+    assert {tuple(row[2:]) for row in _log(toy)} == {("-", "-", "-", "0,1")}
 
 
 def test_other_dist_modes_are_refused_in_gpu_mode(toy: pytest.Pytester,
