@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -279,3 +279,25 @@ def read_groups(folder: str) -> dict[str, str]:
 def mixed_models(tests: Sequence[Mapping[str, Any]]) -> list[str]:
     """Card models that measured the given tests of one timing gate (more than one = refused)."""
     return sorted({t["gpu"]["name"] for t in tests if isinstance(t.get("gpu"), Mapping)})
+
+
+def refuse_mixed_models(routes: Mapping[str, Any], kinds: Iterable[str]) -> list[str]:
+    """Take back the evidence of every timing gate measured on more than one card model.
+
+    Its measured tests become skipped with the reason, so the gate is pending (never passed,
+    never failed: the candidate is not at fault); returns one problem line per such gate.
+    """
+    problems = []
+    for name, entry in routes.items():
+        for kind in set(kinds) & set(entry["gates"]):
+            tests = entry["gates"][kind]["tests"]
+            models = mixed_models(tests)
+            if len(models) > 1:
+                message = (f"refused: the {kind} gate of {name} was measured on different card "
+                           f"models ({', '.join(models)}); rerun it on cards of one model "
+                           "(docs/multi-gpu.md)")
+                for test in tests:
+                    if isinstance(test.get("gpu"), Mapping):
+                        test["outcome"], test["message"] = "skipped", message
+                problems.append(message)
+    return problems

@@ -122,6 +122,26 @@ def test_worker_identity_round_trip_and_tamper_check() -> None:
         gpus.worker_spec("ssh=box//python=python3", 0, H200[0])
 
 
+def test_a_timing_gate_measured_on_two_card_models_is_taken_back() -> None:
+    def test(nodeid: str, gpu: gpus.Gpu | None) -> dict:
+        return {"nodeid": nodeid, "outcome": "passed", "message": "",
+                "gpu": None if gpu is None else {"index": gpu.index, "name": gpu.name,
+                                                 "uuid": gpu.uuid}}
+
+    routes = {"r": {"gates": {
+        "speed": {"tests": [test("a", MIXED[0]), test("b", MIXED[1])]},
+        "parity": {"tests": [test("c", MIXED[0]), test("d", MIXED[1])]},
+        "validation_cost": {"tests": [test("e", H200[0]), test("f", H200[1])]}}}}
+    problems = gpus.refuse_mixed_models(routes, ("speed", "validation_cost"))
+    assert len(problems) == 1 and "speed gate of r" in problems[0]
+    assert "NVIDIA A100-SXM4-40GB, Tesla V100-SXM2-32GB" in problems[0]
+    gates = routes["r"]["gates"]
+    assert [t["outcome"] for t in gates["speed"]["tests"]] == ["skipped", "skipped"]
+    assert [t["outcome"] for t in gates["parity"]["tests"]] == ["passed", "passed"]
+    # two cards of one model are fine (a rerun of one test may land on another card)
+    assert [t["outcome"] for t in gates["validation_cost"]["tests"]] == ["passed", "passed"]
+
+
 # ---------------------------------------------------------------- real xdist workers
 
 CONFTEST = """
