@@ -4,18 +4,17 @@
 declares. From it this module parametrizes ``dflash_route`` over the family's candidates that
 require the gate (and are selected), parametrizes ``size`` over the profile's sizes
 (``pytest_dflash.profiles``), binds every item to its route and kind for the report, drops what
-``--dflash-gate`` did not ask for, and at setup refuses timing gates inside xdist workers and
-skips SM70-only tests elsewhere (a skip leaves the gate pending, never passed).
+``--dflash-gate`` did not ask for, and at setup refuses timing gates inside xdist workers that
+own no GPU and skips SM70-only tests elsewhere (a skip leaves the gate pending, never passed).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 
-from pytest_dflash import reporting
+from pytest_dflash import reporting, xdist_gpus
 from pytest_dflash.environment import device_info, profile_of
 from pytest_dflash.profiles import per_size_values
 from pytest_dflash.session import bind, binding, state_of
@@ -97,16 +96,20 @@ def modify_items(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 
 def check_setup(item: pytest.Item) -> None:
-    """Skip, with the reason, what must not run here: timing gates in an xdist worker (they
-    never share the device) and ``requires_sm70`` tests off SM70 hardware."""
+    """Skip, with the reason, what must not run here: timing gates in an xdist worker that does
+    not own a GPU (they never share the device; docs/multi-gpu.md) and ``requires_sm70`` tests
+    off SM70 hardware. A gate test that runs records the GPU that measures it."""
     bound = binding(item)
-    if bound and bound["kind"] in EXCLUSIVE_KINDS and os.environ.get("PYTEST_XDIST_WORKER"):
-        pytest.skip(f"refused: {bound['kind']} gates never share the device with parallel "
-                    "workers; rerun them without -n (or with -n0)")
+    if bound and bound["kind"] in EXCLUSIVE_KINDS:
+        refusal = xdist_gpus.timing_refusal(item.config)
+        if refusal:
+            pytest.skip(f"refused: {bound['kind']} gates {refusal}")
     if item.get_closest_marker("requires_sm70"):
         reason = sm70_missing(item.config)
         if reason:
             pytest.skip(f"requires SM70 hardware: {reason}")
+    if bound:
+        bound["gpu"] = xdist_gpus.gpu_record(item.config)
 
 
 def sm70_missing(config: pytest.Config) -> str | None:

@@ -17,6 +17,7 @@ import pytest
 from pytest_dflash.loader import SIDECAR_ENV
 from pytest_dflash.profiles import ProfileSizes, sizes
 from pytest_dflash.vocabulary import PROFILES
+from pytest_dflash.xdist_gpus import plan_of
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +51,11 @@ def device_info(config: pytest.Config) -> dict[str, Any]:
         kind = "cuda" if wanted == "cuda" or (wanted == "auto" and has_cuda) else "cpu"
         info: dict[str, Any] = {"type": kind, "torch": torch.__version__,
                                 "cuda": torch.version.cuda, "capability": None}
-        if kind == "cuda":
+        cards = plan_of(config)  # the controller of a run with one GPU per xdist worker
+        if kind == "cuda" and cards and cards[0].capability:
+            # named from the plan (nvidia-smi): the controller never opens a CUDA context
+            info.update(name=cards[0].name, capability=cards[0].capability)
+        elif kind == "cuda":
             major, minor = torch.cuda.get_device_capability()
             info.update(name=torch.cuda.get_device_name(), capability=f"{major}.{minor}")
         else:

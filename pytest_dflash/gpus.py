@@ -167,7 +167,8 @@ def plan(gpus: Sequence[Gpu], workers: int) -> list[Gpu]:
     if workers < 1:
         raise GpuError(f"{workers} workers: nothing to assign")
     if not gpus:
-        raise GpuError(f"{workers} xdist workers need one GPU each, but no GPU is visible; run "
+        raise GpuError(f"{workers} xdist workers need one GPU each, but nvidia-smi lists no GPU "
+                       "(not installed, no device, or none left by CUDA_VISIBLE_DEVICES); run "
                        "the gates on the CPU (--dflash-device cpu) or on a GPU box")
     if workers > len(gpus):
         raise GpuError(

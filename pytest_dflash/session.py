@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pytest_dflash import junit, reporting, shipped
+from pytest_dflash import gpus, junit, reporting, shipped
 from pytest_dflash import report as reports
 from pytest_dflash.environment import (
     device_info,
@@ -29,7 +29,7 @@ from pytest_dflash.policy import Policy, PolicyError, load_policy
 from pytest_dflash.registry import RegistryError, Route, RouteRegistry
 from pytest_dflash.sandbox import ALLOW_UNJAILED_ENV
 from pytest_dflash.table import render
-from pytest_dflash.vocabulary import UnknownNameError, check_kind
+from pytest_dflash.vocabulary import EXCLUSIVE_KINDS, UnknownNameError, check_kind
 
 STATE = pytest.StashKey["DflashState"]()
 PROPERTY = "dflash"  # user_properties key: travels with reports through xdist
@@ -152,10 +152,11 @@ class EvidenceCollector:
             return
         test = self.tests.setdefault(report.nodeid, {
             "nodeid": report.nodeid, "outcome": "passed", "duration_s": 0.0, "message": "",
-            "measurements": {}})
+            "measurements": {}, "gpu": None})
         test["route"], test["kind"] = bound["route"], bound["kind"]
         test["duration_s"] = round(test["duration_s"] + report.duration, 6)
         test["measurements"].update(bound["measurements"])
+        test["gpu"] = bound.get("gpu") or test["gpu"]
         if report.skipped and test["outcome"] == "passed":
             test["outcome"] = "skipped"
             if isinstance(report.longrepr, tuple):
@@ -194,6 +195,10 @@ class EvidenceCollector:
                 self.problems.append(f"{exc} (report {self.report_path} left unchanged)")
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
                 return
+        mixed = gpus.refuse_mixed_models(evidence["routes"], EXCLUSIVE_KINDS)
+        if mixed:
+            self.problems.extend(mixed)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
         reports.write_atomic(evidence, self.report_path)
         self.report = evidence
         junit.add_verdicts(config, evidence)

@@ -31,6 +31,7 @@ from pytest_dflash.vocabulary import EXCLUSIVE_KINDS
 PLAN = pytest.StashKey["list[gpus.Gpu] | None"]()
 WORKER_GPU = pytest.StashKey["gpus.Gpu | None"]()
 SAVED_ENV = pytest.StashKey["dict[str, str | None]"]()
+RECORD = pytest.StashKey["dict[str, Any] | None"]()
 
 
 def _device_option(config: pytest.Config) -> str:
@@ -182,6 +183,57 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"dflash: {len(cards)} xdist workers, one GPU each ({owned})"]
 
 
-def describe(gpu: gpus.Gpu | None) -> dict[str, Any] | None:
-    """The per-test GPU record of the report: index, name and UUID of the measuring card."""
-    return None if gpu is None else {"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid}
+def timing_refusal(config: pytest.Config) -> str | None:
+    """Why a timing gate may not run in this process, or None when it may.
+
+    A session without xdist owns its device. An xdist worker may time only on a GPU of its own:
+    on the CPU, or without an assignment, the workers share the device.
+    """
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    gpu = gpu_of(config)
+    if gpu is None:
+        return ("never share the device with parallel workers; rerun them without -n (or with "
+                "-n0), or on GPUs, one per worker (docs/multi-gpu.md)")
+    from pytest_dflash.environment import device_info
+
+    info = device_info(config)
+    if info["type"] != "cuda":
+        return (f"never share the device with parallel workers: this worker owns GPU "
+                f"{gpu.index} but the gates run on {info['name']}; use --dflash-device cuda "
+                "with a CUDA build of torch, or rerun them without -n")
+    return None
+
+
+def gpu_record(config: pytest.Config) -> dict[str, Any] | None:
+    """The card that measures this process's tests (index, name, UUID), None on the CPU.
+
+    In a GPU worker it is the worker's card; in a one-GPU session it is torch's current device,
+    named as ``nvidia-smi`` names it where that is available (so both kinds of run agree).
+    """
+    from pytest_dflash.environment import device_info
+
+    if device_info(config)["type"] != "cuda":
+        return None
+    if RECORD not in config.stash:
+        gpu = gpu_of(config) or _torch_gpu()
+        config.stash[RECORD] = {"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid}
+    return config.stash[RECORD]
+
+
+def _torch_gpu() -> gpus.Gpu:
+    import torch
+
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    uuid = str(getattr(props, "uuid", "") or "")
+    if uuid and not uuid.startswith(("GPU-", "MIG-")):
+        uuid = f"GPU-{uuid}"
+    try:
+        listed = {g.uuid: g for g in gpus.discover({})}  # every card, in nvidia-smi order
+    except gpus.GpuError:
+        listed = {}
+    card = listed.get(uuid)
+    if card is not None:
+        return card
+    return gpus.Gpu(index, props.name, uuid or f"cuda:{index}", f"{props.major}.{props.minor}")

@@ -142,6 +142,24 @@ def test_a_timing_gate_measured_on_two_card_models_is_taken_back() -> None:
     assert [t["outcome"] for t in gates["validation_cost"]["tests"]] == ["passed", "passed"]
 
 
+def test_a_served_engine_started_by_a_gpu_worker_sees_only_its_card(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_dflash.engines.openai_server import server_env
+    from pytest_dflash.registry import RouteRegistry
+    from pytest_dflash.shipped import SHIPPED_ROUTES
+
+    registry = RouteRegistry()
+    for route in SHIPPED_ROUTES:
+        registry.register(route)
+    base = {"CUDA_VISIBLE_DEVICES": "0,1", "KEEP": "me"}
+    assert server_env(registry.engine_selection(), registry, base)["CUDA_VISIBLE_DEVICES"] == "0,1"
+    monkeypatch.setenv(gpus.PLAN_ENV, gpus.encode_plan(H200))
+    monkeypatch.setenv(gpus.SLOT_ENV, "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", H200[1].uuid)
+    env = server_env(registry.engine_selection(), registry, base)
+    assert env["CUDA_VISIBLE_DEVICES"] == H200[1].uuid and env["KEEP"] == "me"
+
+
 # ---------------------------------------------------------------- real xdist workers
 
 CONFTEST = """
@@ -240,6 +258,15 @@ def test_two_fake_gpus_two_workers_each_own_one_and_gates_stay_on_one_card(
     nodeids = [t["nodeid"] for r in report["routes"].values() for g in r["gates"].values()
                for t in g["tests"]]
     assert len(nodeids) == 15 and not any("@" in n for n in nodeids), nodeids
+    # torch sees no GPU here: the gates ran on the CPU, so no test claims a card, and the
+    # workers refused the timing gates even though each owns a (fake) GPU
+    entries = [t for r in report["routes"].values() for g in r["gates"].values()
+               for t in g["tests"]]
+    assert all("gpu" in t and t["gpu"] is None for t in entries)
+    speed = [t for t in entries if "test_speed" in t["nodeid"]]
+    assert {t["outcome"] for t in speed} == {"skipped"}
+    assert all("owns GPU" in t["message"] and "never share the device" in t["message"]
+               for t in speed), speed[0]["message"]
 
 
 def test_more_workers_than_gpus_is_refused_clearly(

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pytest_dflash import gpus
 from pytest_dflash.engines import (
     Capabilities,
     EngineUnsupported,
@@ -118,8 +119,9 @@ def enabled_routes(selection: Mapping[str, str], registry: Any) -> list[str]:
 def server_env(selection: Mapping[str, str], registry: Any, base: Mapping[str, str],
                profile: str | None = None, device: str | None = None) -> dict[str, str]:
     """The environment of a server for ``selection``: ``base`` without any registered route's
-    switch (none leaks in from the caller's shell), then this selection's switches."""
-    env = {k: v for k, v in base.items()}
+    switch (none leaks in from the caller's shell), then this selection's switches. Started by
+    an xdist worker that owns a GPU, the server sees that GPU only (docs/multi-gpu.md)."""
+    env = gpus.server_env(base)
     for route in registry:
         env.pop(route.enable_switch, None)
     env.update(switches_for(selection, registry))
