@@ -102,7 +102,7 @@ def test_plan_one_card_per_worker_refuses_too_many_workers_and_mixed_models() ->
         gpus.plan(H200, 3)
     with pytest.raises(gpus.GpuError, match="different models.*one model"):
         gpus.plan(MIXED, 2)
-    with pytest.raises(gpus.GpuError, match="no GPU is visible"):
+    with pytest.raises(gpus.GpuError, match="nvidia-smi lists no GPU"):
         gpus.plan([], 1)
 
 
