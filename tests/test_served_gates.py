@@ -1,9 +1,10 @@
 """The shipped model-level gates driven through a real OpenAI-compatible server.
 
 ``pytest-dflash serve`` runs as a real process on a free loopback port, started by the plugin
-itself from ``--dflash-serve`` once per route selection. A degraded route served over HTTP must
-be rejected by the gate; gates needing what a server cannot offer stay pending with the reason;
-no server outlives the session.
+itself from ``--dflash-serve`` once per route selection. The ppl and quality gates must reach
+the same verdicts over HTTP as in process, with the same perplexities; a degraded route served
+over HTTP must be rejected by the gate; gates needing what a server cannot offer stay pending
+with the reason; no server outlives the session.
 """
 
 from __future__ import annotations
@@ -42,8 +43,66 @@ def pytest_dflash_routes(registry):
 '''
 
 
+def small_project(pytester: pytest.Pytester, tasks: int = 2) -> list[str]:
+    """Keep the test's runtime small: two held-out segments and ``tasks`` coding tasks through
+    ``--dflash-data``, completions capped at 64 tokens by the project's own policy."""
+    from pytest_dflash.engines.data import PPL_FILE, TASKS_FILE, data_dir
+
+    shipped = data_dir()
+    data = pytester.mkdir("data")
+    for name, rows in ((PPL_FILE, 2), (TASKS_FILE, tasks)):
+        lines = (shipped / name).read_text().splitlines()[:rows]
+        (data / name).write_text("\n".join(lines) + "\n")
+    pytester.makepyprojecttoml("[tool.pytest-dflash]\nquality_max_new_tokens = 64\n")
+    return ["--dflash-data", str(data)]
+
+
+def servers_of(report: dict) -> list[dict]:
+    """Every server the session started, from the engines' route proof in the report."""
+    found = []
+    for entry in report["routes"].values():
+        for gate in entry["gates"].values():
+            for test in gate["tests"]:
+                found += test["measurements"].get("servers", [])
+    return found
+
+
 def gate_tests(report: dict, route: str, kind: str) -> list[dict]:
     return report["routes"][route]["gates"][kind]["tests"]
+
+
+def test_ppl_and_quality_over_http_match_in_process(pytester: pytest.Pytester) -> None:
+    args = [*COMMON, *small_project(pytester), "-m", "ppl or quality", "--dflash-route", FP16]
+    local_path, served_path = pytester.path / "local.json", pytester.path / "served.json"
+    local_run = pytester.runpytest(*args, "--dflash-report", str(local_path))
+    served_run = pytester.runpytest(*args, "--dflash-report", str(served_path),
+                                    "--dflash-serve", SERVE)
+    local, served = json.loads(local_path.read_text()), json.loads(served_path.read_text())
+    for kind in ("ppl", "quality"):
+        outcomes = [t["outcome"] for t in gate_tests(served, FP16, kind)]
+        assert outcomes and all(o in ("passed", "failed") for o in outcomes), (kind, outcomes)
+        assert served["routes"][FP16]["gates"][kind]["status"] == \
+            local["routes"][FP16]["gates"][kind]["status"]
+    assert served["routes"][FP16]["verdict"] == local["routes"][FP16]["verdict"]
+    assert served_run.ret == local_run.ret
+
+    ppl_local = gate_tests(local, FP16, "ppl")[0]["measurements"]
+    ppl_served = gate_tests(served, FP16, "ppl")[0]["measurements"]
+    for key in ("per_segment_baseline", "per_segment_candidate"):
+        assert len(ppl_served[key]) == len(ppl_local[key]) >= 2
+        for got, want in zip(ppl_served[key], ppl_local[key], strict=True):
+            assert abs(got - want) <= 1e-6 * want, (key, got, want)
+    q_local = gate_tests(local, FP16, "quality")[0]["measurements"]["per_task"]
+    q_served = gate_tests(served, FP16, "quality")[0]["measurements"]["per_task"]
+    assert [(t["task_id"], t["baseline"]["passed"], t["candidate"]["passed"]) for t in q_served] \
+        == [(t["task_id"], t["baseline"]["passed"], t["candidate"]["passed"]) for t in q_local]
+    assert all("completion" in t["candidate"] and "status" in t["candidate"] for t in q_served)
+
+    servers = servers_of(served)
+    assert {tuple(s["enabled_routes"]) for s in servers} == {(), (FP16,)}
+    assert all(s["switches"] == ({"DFLASH_PREFILL_GEOMETRY_FP16_Q7920": "1"}
+                                 if s["enabled_routes"] else {}) for s in servers)
+    assert all(not group_members(s["pid"]) for s in servers), "a server outlived the session"
 
 
 def test_a_degraded_route_served_over_http_is_rejected_by_the_ppl_gate(

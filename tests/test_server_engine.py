@@ -135,6 +135,9 @@ def test_one_server_per_selection_never_two_at_once(pool, local):
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5
     base.encode("x")  # and back: the candidate's server is stopped again
     assert len(pool.history) >= 3 and gone(pool.history[-2]["pid"])
+    started = len(pool.history)
+    proof = cand.route_proof()  # from the counters it reported when stopped: no restart
+    assert proof["counters"].get(FP16, 0) > 0 and len(pool.history) == started
 
 
 def test_a_server_that_exits_is_a_clear_error(tmp_path):

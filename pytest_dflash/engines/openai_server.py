@@ -375,11 +375,35 @@ class ServerPool:
 
     def stop(self) -> None:
         if self.process is not None:
+            counters = self._counters(self.process)
             status = self.process.stop()
             for entry in self.history:
                 if entry["pid"] == self.process.pid:
                     entry["exit_status"] = status
+                    entry["counters"] = counters
             self.process, self.current = None, None
+
+    @staticmethod
+    def _counters(process: ServerProcess) -> dict[str, int]:
+        """The server's own route counters just before it stops (``GET /dflash/route_hits``,
+        where it has them), so the route proof survives the server."""
+        if process.proc.poll() is not None:
+            return {}
+        httpx = _httpx()
+        try:
+            response = httpx.get(f"{process.url}/dflash/route_hits", timeout=10.0)
+            if response.status_code == 200:
+                return {str(k): int(v) for k, v in response.json().items()}
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+            pass
+        return {}
+
+    def last_counters(self, selection: Mapping[str, str]) -> dict[str, int]:
+        """Counters of the last stopped server of ``selection`` (empty if none reported)."""
+        for entry in reversed(self.history):
+            if entry["selection"] == dict(selection) and "counters" in entry:
+                return dict(entry["counters"])
+        return {}
 
     def close(self) -> None:
         for engine in self.engines.values():
@@ -590,8 +614,12 @@ class ServerEngine:
             return {}
 
     def route_proof(self) -> dict[str, Any]:
-        """The switches this selection's server was started with, plus its own counters."""
-        return {**self.pool.proof(self.selection), "counters": self.route_hits(),
+        """The switches this selection's server was started with, plus its own counters: read
+        live from a server that is running, else as it reported them when it was stopped (a
+        proof never starts a server again)."""
+        live = self.pool.current == tuple(sorted(self.selection.items())) or bool(self.pool.urls)
+        counters = self.route_hits() if live else self.pool.last_counters(self.selection)
+        return {**self.pool.proof(self.selection), "counters": counters,
                 "model": self.model, "server": self.server_info}
 
     def close(self) -> None:
