@@ -370,6 +370,11 @@ while [ "$1" != "--" ]; do
     link) ln -s "${rest#*:}" "$new${rest%%:*}" ;;
     dir) mkdir -p -m 0755 "$new$rest" ;;
     bind)
+      # already visible through an earlier bind (an interpreter under /usr): nothing to add
+      if [ -e "$new$rest" ] \
+         && [ "$(stat -L -c %d:%i "$rest")" = "$(stat -L -c %d:%i "$new$rest")" ]; then
+        continue
+      fi
       if [ -d "$rest" ]; then mkdir -p "$new$rest"
       else mkdir -p "$(dirname "$new$rest")"; : > "$new$rest"; fi
       mount --bind "$rest" "$new$rest"

@@ -669,3 +669,25 @@ def test_the_report_records_the_unjailed_opt_in(pytester: pytest.Pytester,
     assert report["session"]["allow_unjailed"] is opt_in
     figure = report["routes"]["toy.add.fast"]["gates"]["parity"]["figure"]
     assert figure == ("env 1" if opt_in else "env 0")  # what the sandbox reads in the tests
+
+
+@pytest.mark.skipif(not Path("/usr/bin/python3").is_file() or os.geteuid() != 0,
+                    reason="needs root and a system interpreter under /usr/bin")
+def test_chroot_jail_holds_for_an_interpreter_under_usr(tmp_path: Path) -> None:
+    """An interpreter inside /usr (a GPU box's system Python) is already visible through the /usr
+    bind: the chroot jail must not try to create it again on the read-only view (it once failed
+    with 'Read-only file system' there, leaving the quality gate pending)."""
+    tools = _tools(tmp_path / "tools", ("unshare", "setpriv", "sh", "mount", "chroot", "stat"))
+    repo = Path(sandbox.__file__).resolve().parent.parent
+    child = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from pytest_dflash import sandbox\n"
+        "sandbox._TOOL_PATH = sys.argv[2]\n"
+        "r = sandbox.run_untrusted('print(6 * 7)', timeout_s=20, memory_mb=256)\n"
+        "print(r.status, '|', r.stdout_tail.strip(), '|', r.isolation[0])\n"
+    )
+    done = subprocess.run(["/usr/bin/python3", "-I", "-c", child, str(repo), str(tools)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| 42 |" in done.stdout, done.stdout
+    assert "chroot jail" in done.stdout, done.stdout
