@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from dflash_kernels.attention import FA2, ORACLE, SDPA, fa2_status, reference_attention
+from dflash_suites.support.attn import to_pages
 from pytest_dflash.policy import Policy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -64,21 +65,6 @@ def assert_parity(out, q, k, v, causal, dtype, what):
     return err
 
 
-def paged_copy(k, v, block_size, seed=1):
-    tk, hkv, d = k.shape
-    used = -(-tk // block_size)
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = used + 3
-    table = torch.randperm(num_blocks, generator=gen)[:used].to(torch.int32)
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(k)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(v)
-    for i, block in enumerate(table.tolist()):
-        n = min(block_size, tk - i * block_size)
-        k_cache[block, :n] = k[i * block_size : i * block_size + n]
-        v_cache[block, :n] = v[i * block_size : i * block_size + n]
-    return k_cache, v_cache, table.cuda()
-
-
 FP16_WARPS_8_SMEM = 140288  # bytes per block of the 8-warp fp16 kernel
 
 
@@ -116,7 +102,7 @@ def test_paged_equals_dense_exactly(cuda_ops, fp16_variant, dtype, block_size):
     """Same keys, same arithmetic: the block-table indirection must not change one bit."""
     for tq, tk, hq, hkv in ((97, 203, 4, 1), (1031, 4099, 4, 2), (5, 5, 4, 4)):
         q, k, v = make_qkv(tq, tk, hq, hkv, dtype, seed=tk + block_size)
-        k_cache, v_cache, table = paged_copy(k, v, block_size)
+        k_cache, v_cache, table = to_pages(k, v, block_size, seed=1)
         dense = torch.full_like(q, float("nan"))
         paged = torch.full_like(q, float("nan"))
         cuda_ops.dense(q, k, v, dense, SCALE, True)
@@ -162,7 +148,7 @@ def test_opcheck_on_cuda(cuda_ops):
     q, k, v = make_qkv(9, 40, 4, 2, torch.float16, seed=9)
     out = torch.empty_like(q)
     torch.library.opcheck(cuda_ops.dense.default, (q, k, v, out, SCALE, True))
-    k_cache, v_cache, table = paged_copy(k, v, 16)
+    k_cache, v_cache, table = to_pages(k, v, 16, seed=1)
     torch.library.opcheck(cuda_ops.paged.default,
                           (q, k_cache, v_cache, table, 40, out, SCALE, True))
 
