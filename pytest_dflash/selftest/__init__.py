@@ -1,0 +1,7 @@
+"""Gate self-test: planted defects that prove each gate can catch what it exists to catch.
+
+``catalogue`` declares the defects, ``wrappers`` and ``engine`` plant them into copies of the
+selected routes, ``slowdown`` makes a planted slowdown cost what it claims on this machine,
+``session`` wires them into a pytest run and ``summary`` turns the outcomes into the report's
+``selftest`` section. See ``docs/selftest.md``.
+"""

@@ -1,0 +1,168 @@
+"""The predeclared defect catalogue of the gate self-test (``docs/selftest.md``).
+
+For every selected candidate route the self-test registers ordinary routes next to it: an
+unchanged copy, which must be judged like the route itself, and one route per planted defect,
+which requires exactly the gate kind meant to catch it. The same shipped gate suites judge them;
+nothing in a gate knows it is being tested. A defect is *caught* when its gate fails it.
+
+The catalogue is fixed here, not chosen per run, and its sizes derive from the predeclared
+policy, so a self-test on one machine is comparable with one on another:
+
+* parity (attn.d256, gemm.nvfp4): output scaled by 1 + 2^-9 (one fp16 ulp at 1.0 is 2^-10); the
+  last output row left unwritten (the gates poison outputs, so it reads NaN); gemm: the last
+  16-element K group dropped; attention: GQA query heads mapped to the wrong KV head
+  (``h % Hkv`` instead of ``h // (Hq/Hkv)``), and a paged cache read one physical block off
+  for the last logical block.
+* speed (every family with a speed gate): a candidate with no gain that is *slower* than its
+  baseline by the policy's min gain, by 3% and by 10%: the baseline's own code plus a busy wait
+  (CPU) or spin kernel (GPU) of that fraction of each call's measured time (``slowdown.py``).
+  Planting the slowdown on the baseline's code makes the true ratio exactly 1 + fraction; on
+  the candidate's code it would depend on the candidate's unknown gain.
+* validation_cost (gemm.nvfp4): verify widths M <= 8 sent to another kernel path (the family
+  baseline's), and every call made 2% slower (twice the default noise floor).
+* ppl (prefill.geometry): every token's log-probability lowered by the amount that raises each
+  segment's perplexity by twice the policy's tolerance.
+* quality (prefill.geometry): every fourth completion degenerated (a run of one repeated
+  character, no natural stop), as a broken kernel's output looks.
+
+Route names: ``<route>~copy`` and ``<route>~<defect>``. The planted routes are candidates of the
+route's family with the route's baseline, so verdicts, figures and reports treat them like any
+other route.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_dflash.registry import Route
+
+SEPARATOR = "~"
+COPY = "copy"
+ATTN, GEMM, GEOMETRY = "attn.d256", "gemm.nvfp4", "prefill.geometry"
+PARITY_SCALE = 1.0 + 2.0**-9
+DEGENERATE_EVERY = 4
+VERIFY_COST = 0.02
+SPEED_RUNGS = (0.03, 0.10)  # besides the policy's min gain, which is always the first rung
+# Gate kinds with planted defects; the loader gate's scenarios are real library files already.
+KINDS = ("parity", "speed", "validation_cost", "ppl", "quality")
+TIMING_KINDS = ("speed", "validation_cost")
+
+
+@dataclass(frozen=True)
+class Defect:
+    """One planted defect: the gate kind meant to catch it and what it does."""
+
+    key: str
+    kind: str
+    families: frozenset[str]
+    what: str
+    serves: str = "route"  # whose code serves the calls: "route" or "baseline"
+    slowdown: float | None = None  # planted extra time per call (timing defects)
+
+    def applies_to(self, route: Route) -> bool:
+        return route.family in self.families and self.kind in route.gates
+
+
+def _pct(fraction: float) -> str:
+    return f"{fraction * 100:g}pct".replace(".", "p")
+
+
+def catalogue(policy: Any) -> tuple[Defect, ...]:
+    """Every defect of the catalogue, sized from ``policy`` (a ``pytest_dflash.policy.Policy``)."""
+    ops = frozenset({ATTN, GEMM})
+    speed = frozenset({ATTN, GEMM, GEOMETRY})
+    defects = [
+        Defect("out_scaled", "parity", ops, "output scaled by 1 + 2^-9"),
+        Defect("row_unwritten", "parity", ops, "last output row left unwritten"),
+        Defect("k_group_dropped", "parity", frozenset({GEMM}),
+               "last 16-element K group dropped from the dot products"),
+        Defect("gqa_heads", "parity", frozenset({ATTN}),
+               "GQA query head h reads KV head h % Hkv instead of h // (Hq / Hkv)"),
+        Defect("paged_block_off", "parity", frozenset({ATTN}),
+               "paged cache: the last logical block read one physical block off"),
+    ]
+    rungs = sorted({float(policy.speed_min_gain), *SPEED_RUNGS})
+    for fraction in rungs:
+        label = "the policy's min gain" if fraction == policy.speed_min_gain else f"{fraction:.0%}"
+        defects.append(Defect(
+            f"slow_{_pct(fraction)}", "speed", speed,
+            f"no gain: the baseline's code slowed by {fraction:.1%} ({label})",
+            serves="baseline", slowdown=fraction))
+    defects += [
+        Defect("verify_path", "validation_cost", frozenset({GEMM}),
+               "verify widths M <= 8 served by another kernel path (the family baseline's)"),
+        Defect(f"verify_cost_{_pct(VERIFY_COST)}", "validation_cost", frozenset({GEMM}),
+               f"every call {VERIFY_COST:.0%} slower", slowdown=VERIFY_COST),
+        Defect("ppl_shift", "ppl", frozenset({GEOMETRY}),
+               f"log-probs shifted so each segment's perplexity rises by 2 x tolerance "
+               f"({2 * policy.ppl_tolerance:g})"),
+        Defect("degenerate", "quality", frozenset({GEOMETRY}),
+               f"every {DEGENERATE_EVERY}th completion degenerated (repeated character, no stop)"),
+    ]
+    return tuple(defects)
+
+
+@dataclass(frozen=True)
+class Planted:
+    """A self-test route: the copy (``defect`` None) or one planted defect of ``original``."""
+
+    name: str
+    original: Route
+    serves: Route  # the route whose code serves the calls
+    defect: Defect | None
+
+    @property
+    def key(self) -> str:
+        return COPY if self.defect is None else self.defect.key
+
+    @property
+    def gates(self) -> tuple[str, ...]:
+        if self.defect is not None:
+            return (self.defect.kind,)
+        return tuple(k for k in self.original.gates if k in KINDS)
+
+    @property
+    def what(self) -> str:
+        return "unchanged copy" if self.defect is None else self.defect.what
+
+
+def planted_name(route_name: str, key: str) -> str:
+    return f"{route_name}{SEPARATOR}{key}"
+
+
+def original_of(name: str) -> str | None:
+    """The route a self-test route was planted from, or None for an ordinary route."""
+    original, sep, _ = name.rpartition(SEPARATOR)
+    return original if sep else None
+
+
+def plan(candidates: Iterable[Route], registry: Any, policy: Any) -> list[Planted]:
+    """The copy and the applicable defects of every candidate that has a catalogued gate."""
+    defects = catalogue(policy)
+    planted: list[Planted] = []
+    for route in candidates:
+        if original_of(route.name) is not None or not any(k in KINDS for k in route.gates):
+            continue
+        planted.append(Planted(planted_name(route.name, COPY), route, route, None))
+        for defect in defects:
+            if not defect.applies_to(route):
+                continue
+            serves = registry.get(route.baseline) if defect.serves == "baseline" else route
+            planted.append(Planted(planted_name(route.name, defect.key), route, serves, defect))
+    return planted
+
+
+def as_route(planted: Planted, registry: Any, policy: Any) -> Route:
+    """The ordinary route record of a planted route (implementation wrapped lazily)."""
+    from pytest_dflash.selftest.wrappers import implementation_for
+
+    original = planted.original
+    engine = {family: planted.name if name == original.name else name
+              for family, name in original.engine.items()}
+    return Route(
+        planted.name, original.family, "candidate", baseline=original.baseline,
+        gates=planted.gates, impl=implementation_for(planted, registry, policy), engine=engine,
+        probe=original.probe, switch=f"DFLASH_SELFTEST_{planted.key.upper()}",
+        description=f"self-test of {original.name}: {planted.what}")

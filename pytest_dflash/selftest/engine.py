@@ -1,0 +1,118 @@
+"""Planted defects that live in an engine: prefill.geometry's speed, ppl and quality defects.
+
+A geometry route changes how the engine runs, not an op, so its planted copies wrap the engine
+that the served selection builds (through the ordinary ``pytest_dflash_engine`` hook: a served
+engine is wrapped exactly like the reference engine). The wrapper reports the served route's
+hits under the planted route's name, and adds its defect:
+
+* ``slow_*``: every prefill followed by a busy wait (CPU) or spin kernel (GPU) of the fraction
+  of that prefill's own measured time;
+* ``ppl_shift``: each scored segment's log-probs lowered by ``ln(1 + 2 tol / PPL)``, which raises
+  that segment's perplexity by exactly twice the tolerance;
+* ``degenerate``: every ``DEGENERATE_EVERY``-th completion replaced by its first characters and
+  a run of one repeated character, stopped by length.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pytest_dflash.selftest.catalogue import DEGENERATE_EVERY, Planted
+from pytest_dflash.selftest.slowdown import busy_wait, gpu_spin
+
+DEGENERATE_KEEP = 16
+DEGENERATE_RUN = 200
+
+
+class EngineSelftest:
+    """An engine of the served selection, seen as the planted route's engine."""
+
+    def __init__(self, inner: Any, planted: Planted, selection: dict[str, str],
+                 policy: Any) -> None:
+        self.inner = inner
+        self.planted = planted
+        self.selection = dict(selection)
+        self.policy = policy
+        self._completions = 0
+
+    def __getattr__(self, attr: str) -> Any:
+        # chunk, device, cfg, ... : whatever else a gate reads off the engine
+        return getattr(self.inner, attr)
+
+    @property
+    def _defect(self) -> str | None:
+        return self.planted.defect.key if self.planted.defect else None
+
+    def prefill(self, token_ids: list[int]) -> Any:
+        result = self.inner.prefill(token_ids)
+        fraction = self.planted.defect.slowdown if self.planted.defect else None
+        if fraction:
+            device = getattr(self.inner, "device", None)
+            if getattr(device, "type", None) == "cuda":
+                gpu_spin(fraction * result.seconds, device)  # the engine synchronized already
+            else:
+                busy_wait(fraction * result.seconds)
+        return result
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        logprobs = list(self.inner.score(token_ids))
+        if self._defect != "ppl_shift" or not logprobs:
+            return logprobs
+        ppl = math.exp(-math.fsum(logprobs) / len(logprobs))
+        shift = math.log1p(2 * self.policy.ppl_tolerance / ppl)
+        return [lp - shift for lp in logprobs]
+
+    def generate(self, prompt: str, max_new_tokens: int, stop: list[str] | None = None,
+                 sampling: Any = None) -> Any:
+        gen = self.inner.generate(prompt, max_new_tokens, stop, sampling)
+        self._completions += 1
+        if self._defect != "degenerate" or (self._completions - 1) % DEGENERATE_EVERY:
+            return gen
+        text = gen.text[:DEGENERATE_KEEP] + "(" * DEGENERATE_RUN
+        return type(gen)(text, list(self.inner.encode(text)), "length")
+
+    def verify(self, draft_ids: list[int]) -> Any:
+        return self.inner.verify(draft_ids)
+
+    def reset_prefix_cache(self) -> None:
+        self.inner.reset_prefix_cache()
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text)
+
+    def route_hits(self) -> dict[str, int]:
+        """The inner engine's hits with the served route's name replaced by the planted one."""
+        served, name = self.planted.serves.name, self.planted.name
+        renamed = {}
+        for key, count in self.inner.route_hits().items():
+            for sep in ("", ":", "/"):
+                if key == served + sep or (sep and key.startswith(served + sep)):
+                    key = name + key[len(served):]
+                    break
+            renamed[key] = renamed.get(key, 0) + count
+        return renamed
+
+    def __repr__(self) -> str:
+        return f"<self-test engine {self.planted.name} over {self.inner!r}>"
+
+
+def build(config: Any, selection: dict[str, str], profile: str, planted: dict[str, Planted],
+          policy: Any) -> Any:
+    """The engine of ``selection`` if it names an engine-level planted route, else None.
+
+    The served selection (planted route replaced by the route whose code serves it) is built
+    through the same hook, so whatever engine the session uses is the one wrapped.
+    """
+    mine = [planted[name] for name in selection.values()
+            if name in planted and planted[name].original.family == "prefill.geometry"]
+    if not mine:
+        return None
+    if len(mine) > 1:
+        raise ValueError(f"one engine cannot carry two planted routes: {[p.name for p in mine]}")
+    served = {family: planted[name].serves.name if name in planted else name
+              for family, name in selection.items()}
+    inner = config.hook.pytest_dflash_engine(config=config, selection=served, profile=profile)
+    if inner is None:
+        raise RuntimeError(f"no pytest_dflash_engine implementation built an engine for {served}")
+    return EngineSelftest(inner, mine[0], selection, policy)

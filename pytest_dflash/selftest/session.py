@@ -1,0 +1,53 @@
+"""The self-test's part of a pytest session: plant the routes, wrap engines, judge the gates.
+
+``--dflash-selftest`` registers, for every selected candidate, its unchanged copy and its
+catalogue defects as ordinary candidate routes (``catalogue.plan``) and selects them next to it,
+so the shipped suites parametrize over them like over any route. Engines for planted
+prefill.geometry routes are wrapped here (``engine.build``). After the run the report gains the
+``selftest`` section (``summary.summarize``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pytest_dflash.selftest import catalogue, engine, summary
+
+
+class SelftestSession:
+    """Registered as a pytest plugin for the session when the self-test is on."""
+
+    def __init__(self, config: pytest.Config, policy: Any) -> None:
+        self.config = config
+        self.policy = policy
+        self.planted: dict[str, catalogue.Planted] = {}
+
+    def install(self, registry: Any, candidates: list[Any], selected_routes: set[str],
+                selected_gates: set[tuple[str, str]]) -> list[str]:
+        """Register the planted routes of ``candidates`` and extend the selection to them.
+
+        Returns the planted route names. A selection by route or by ``ROUTE:KIND`` carries over
+        to the planted routes of the selected routes (and only the selected kinds)."""
+        for planted in catalogue.plan(candidates, registry, self.policy):
+            registry.register(catalogue.as_route(planted, registry, self.policy))
+            self.planted[planted.name] = planted
+            original = planted.original.name
+            if selected_routes:
+                selected_routes.add(planted.name)
+            for name, kind in list(selected_gates):
+                if name == original and kind in planted.gates:
+                    selected_gates.add((planted.name, kind))
+        return list(self.planted)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_dflash_engine(self, config: pytest.Config, selection: dict[str, str],
+                             profile: str) -> Any:
+        """Engines of planted prefill.geometry routes: the served engine, wrapped."""
+        return engine.build(config, selection, profile, self.planted, self.policy)
+
+
+def section(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's ``selftest`` section, recomputed from its outcomes."""
+    return summary.summarize(report)

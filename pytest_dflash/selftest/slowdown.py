@@ -1,0 +1,117 @@
+"""Planted slowdowns that cost what they claim on this machine.
+
+A self-test that plants "3% slower" must make the call 3% slower *here*, on the device the gate
+times, in the way the gate times it:
+
+* CPU: a busy wait on the calling thread right after the wrapped call, of ``fraction`` times
+  the duration that very call just took (``perf_counter_ns``). The planted cost follows the
+  machine's noise and the call's size call by call, so the ratio of a slowed call to the same
+  call unslowed is ``1 + fraction`` whatever the load.
+* CUDA: the gates time GPU work with events on the current stream, so a host-side wait would be
+  invisible (or visible only by accident). The slowdown is a spin kernel
+  (``torch.cuda._sleep``) enqueued on the same stream after the call, of ``fraction`` times the
+  call's GPU time. That time is measured once per call signature (shapes and dtypes) with events
+  (median of three synchronized runs), and the spin kernel's cycles per second once per device,
+  so a timed call is never synchronized by the self-test.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+_CALIBRATION_RUNS = 3
+_SPIN_PROBE_CYCLES = 20_000_000
+_cycles_per_s: dict[int, float] = {}
+
+
+def busy_wait(seconds: float) -> None:
+    """Spin the calling thread for ``seconds`` (a sleep would give the core to the other side)."""
+    if seconds <= 0:
+        return
+    end = time.perf_counter_ns() + int(seconds * 1e9)
+    while time.perf_counter_ns() < end:
+        pass
+
+
+def _device_index(device: Any) -> int:
+    import torch
+
+    dev = torch.device(device)
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def spin_cycles_per_s(device: Any) -> float:
+    """Clock cycles per second of ``torch.cuda._sleep`` on ``device`` (measured once)."""
+    import torch
+
+    index = _device_index(device)
+    if index not in _cycles_per_s:
+        with torch.cuda.device(index):
+            torch.cuda._sleep(_SPIN_PROBE_CYCLES // 10)  # first launch pays module loading
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(_SPIN_PROBE_CYCLES)
+            end.record()
+            end.synchronize()
+        _cycles_per_s[index] = _SPIN_PROBE_CYCLES / (start.elapsed_time(end) / 1e3)
+    return _cycles_per_s[index]
+
+
+def gpu_spin(seconds: float, device: Any) -> None:
+    """Enqueue a spin kernel of ``seconds`` of GPU time on ``device``'s current stream."""
+    import torch
+
+    if seconds <= 0:
+        return
+    cycles = int(seconds * spin_cycles_per_s(device))
+    if cycles > 0:
+        with torch.cuda.device(_device_index(device)):
+            torch.cuda._sleep(cycles)
+
+
+def _gpu_seconds(call: Callable[[], Any], device: Any) -> float:
+    import torch
+
+    times = []
+    with torch.cuda.device(_device_index(device)):
+        for _ in range(_CALIBRATION_RUNS):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+class Slowdown:
+    """``fraction`` extra time on every call run through :meth:`run`, calibrated as above."""
+
+    def __init__(self, fraction: float) -> None:
+        if not 0 < fraction < 10:
+            raise ValueError(f"a planted slowdown must be a fraction in (0, 10), got {fraction}")
+        self.fraction = float(fraction)
+        self._gpu_time: dict[Hashable, float] = {}
+
+    def run(self, call: Callable[[], Any], *, device: Any, signature: Hashable) -> Any:
+        """``call()`` followed by ``fraction`` times its cost on ``device``."""
+        if getattr(device, "type", device) == "cuda":
+            if signature not in self._gpu_time:
+                # calibration runs are untimed by construction: the gate has not started its
+                # timer when a new signature first arrives (its warm-up calls come first)
+                self._gpu_time[signature] = _gpu_seconds(call, device)
+            result = call()
+            gpu_spin(self.fraction * self._gpu_time[signature], device)
+            return result
+        start = time.perf_counter_ns()
+        result = call()
+        busy_wait(self.fraction * (time.perf_counter_ns() - start) / 1e9)
+        return result
+
+    def __repr__(self) -> str:
+        return f"<Slowdown +{self.fraction:.1%}>"

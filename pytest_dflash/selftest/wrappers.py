@@ -1,0 +1,177 @@
+"""Implementations of the self-test routes: the served route's code with one defect planted.
+
+Each wrapper offers its family's calling contract and records the served route's hits under its
+own name (``hits.renamed``), so the gates' route-hit checks see the planted route as the one
+that ran, exactly as they see any candidate; hits of shared kernels keep their own names. The
+served route's implementation is resolved on first use, so registering the self-test imports
+nothing heavy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytest_dflash import hits
+from pytest_dflash.selftest.catalogue import (
+    ATTN,
+    GEMM,
+    GEOMETRY,
+    PARITY_SCALE,
+    Planted,
+)
+from pytest_dflash.selftest.slowdown import Slowdown
+
+GROUP_K = 16  # NVFP4 block-scale group: the K granularity a kernel's K loop steps by
+MAX_VERIFY_M = 8
+
+
+class _Wrapper:
+    def __init__(self, planted: Planted, registry: Any) -> None:
+        self.name = planted.name
+        self.planted = planted
+        self.defect = planted.defect.key if planted.defect else None
+        slow = planted.defect.slowdown if planted.defect else None
+        self.slowdown = Slowdown(slow) if slow else None
+        self._registry = registry
+        self._impl: Any = None
+
+    @property
+    def impl(self) -> Any:
+        if self._impl is None:
+            self._impl = self.planted.serves.implementation()
+        return self._impl
+
+    def _served(self):
+        return hits.renamed(self.planted.serves.name, self.name)
+
+    def __repr__(self) -> str:
+        return f"<self-test {self.name}: {self.planted.what}>"
+
+
+class AttnSelftest(_Wrapper):
+    """attn.d256 contract: ``dense`` and ``paged`` writing into ``out``."""
+
+    def dense(self, q, k, v, out, softmax_scale, causal) -> None:
+        self._call(q, out, k.shape[1],
+                   lambda qq, oo: self.impl.dense(qq, k, v, oo, softmax_scale, causal))
+
+    def paged(self, q, k_cache, v_cache, block_table, kv_len, out, softmax_scale,
+              causal) -> None:
+        if self.defect == "paged_block_off":
+            block_size = k_cache.shape[1]
+            last = (int(kv_len) - 1) // block_size
+            if kv_len > 0 and last < block_table.shape[0]:
+                block_table = block_table.clone()
+                block_table[last] = (block_table[last] + 1) % k_cache.shape[0]
+        self._call(q, out, k_cache.shape[2],
+                   lambda qq, oo: self.impl.paged(qq, k_cache, v_cache, block_table, kv_len, oo,
+                                                  softmax_scale, causal))
+
+    def _call(self, q, out, hkv: int, run) -> None:
+        saved = out[-1].clone() if self.defect == "row_unwritten" and out.shape[0] else None
+        with self._served():
+            if self.defect == "gqa_heads":
+                self._wrong_heads(q, out, hkv, run)
+            elif self.slowdown is not None:
+                self.slowdown.run(lambda: run(q, out), device=q.device,
+                                  signature=(tuple(q.shape), q.dtype))
+            else:
+                run(q, out)
+        if self.defect == "out_scaled":
+            out.copy_((out.double() * PARITY_SCALE).to(out.dtype))
+        if saved is not None:
+            out[-1].copy_(saved)
+
+    @staticmethod
+    def _wrong_heads(q, out, hkv: int, run) -> None:
+        """Query head h attends with KV head h % Hkv: q's heads are placed in the slots the
+        served route maps to that KV head, and the results moved back."""
+        import torch
+
+        hq = q.shape[1]
+        group = hq // hkv
+        slots = torch.tensor([(h % hkv) * group + h // hkv for h in range(hq)], device=q.device)
+        q_perm = torch.empty_like(q)
+        q_perm[:, slots] = q
+        tmp = torch.empty_like(out)
+        run(q_perm, tmp)
+        out.copy_(tmp[:, slots])
+
+
+class _TwoPaths:
+    """The prepared weight of the verify_path defect: the route's form and the other path's."""
+
+    def __init__(self, own: Any, other: Any) -> None:
+        self.own, self.other = own, other
+        self.n, self.k = getattr(own, "n", None), getattr(own, "k", None)
+
+
+class GemmSelftest(_Wrapper):
+    """gemm.nvfp4 contract: ``prepare``, ``linear``, ``gate_up``."""
+
+    _FORWARDED = ("min_prefill_m", "workspace_bytes", "workspace_peak_bytes", "input_dtypes")
+
+    def __getattr__(self, attr: str) -> Any:
+        # only the attributes gates read off a route; never ``ops`` (the wrapper is no torch op)
+        if attr in self._FORWARDED:
+            return getattr(self.impl, attr)
+        raise AttributeError(attr)
+
+    @property
+    def other(self) -> Any:
+        return self._registry.get(self.planted.original.baseline).implementation()
+
+    def prepare(self, w: Any) -> Any:
+        own = self.impl.prepare(w)
+        if self.defect == "verify_path":
+            return _TwoPaths(own, self.other.prepare(w))
+        return own
+
+    def linear(self, x, prepared):
+        return self._call("linear", x, prepared)
+
+    def gate_up(self, x, prepared):
+        return self._call("gate_up", x, prepared)
+
+    def _call(self, call: str, x, prepared):
+        import torch
+
+        if self.defect == "verify_path":
+            if x.shape[0] <= MAX_VERIFY_M:
+                hits.record(self.name, "dispatch_other_path")
+                return getattr(self.other, call)(x, prepared.other)
+            prepared = prepared.own
+        if self.defect == "k_group_dropped":
+            x = x.clone()
+            x[:, -GROUP_K:] = 0
+        with self._served():
+            run = getattr(self.impl, call)
+            if self.slowdown is not None:
+                signature = (call, tuple(x.shape), x.dtype, getattr(prepared, "n", None))
+                y = self.slowdown.run(lambda: run(x, prepared), device=x.device,
+                                      signature=signature)
+            else:
+                y = run(x, prepared)
+        if self.defect == "out_scaled":
+            y = (y.double() * PARITY_SCALE).to(y.dtype)
+        elif self.defect == "row_unwritten" and y.shape[0]:
+            y = y.clone()
+            y[-1] = torch.nan  # the gates poison outputs: an unwritten row reads NaN
+        return y
+
+
+def implementation_for(planted: Planted, registry: Any, policy: Any) -> Any:
+    """The ``impl`` of a planted route's record.
+
+    prefill.geometry routes act through the engine (``selftest.engine``), so their record keeps
+    the served geometry itself: the planted behaviour is added by the engine wrapper.
+    """
+    del policy  # sizes are fixed in the catalogue entries
+    family = planted.original.family
+    if family == ATTN:
+        return AttnSelftest(planted, registry)
+    if family == GEMM:
+        return GemmSelftest(planted, registry)
+    if family == GEOMETRY:
+        return planted.serves.impl
+    raise ValueError(f"the self-test has no catalogue for family {family!r}")

@@ -1,0 +1,294 @@
+"""The self-test's catalogue and its planted defects, checked on the real routes' outputs.
+
+Each planted defect must do exactly what the catalogue says (and nothing the gate could catch
+for another reason): the copy is bit-identical to the served route, a scaled output is the
+served output times 1 + 2^-9, an unwritten row keeps the poison, and so on. Whether the gates
+catch them is the job of ``test_selftest_session.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pytest_dflash import hits
+from pytest_dflash.policy import Policy
+from pytest_dflash.registry import RouteRegistry
+from pytest_dflash.selftest import catalogue, summary
+from pytest_dflash.selftest.catalogue import Planted, plan
+from pytest_dflash.shipped import SHIPPED_ROUTES
+
+
+@pytest.fixture
+def registry() -> RouteRegistry:
+    reg = RouteRegistry()
+    for route in SHIPPED_ROUTES:
+        reg.register(route)
+    return reg
+
+
+def _planted(registry: RouteRegistry, route: str, key: str) -> Planted:
+    return next(p for p in plan([registry.get(route)], registry, Policy()) if p.key == key)
+
+
+def test_catalogue_plants_every_gate_kind_of_each_shipped_candidate(registry):
+    planned = plan(registry.candidates(), registry, Policy())
+    by_route: dict[str, set[str]] = {}
+    for p in planned:
+        by_route.setdefault(p.original.name, set()).add(p.key)
+    slow = {"slow_1pct", "slow_3pct", "slow_10pct"}
+    assert by_route["attn.d256.fa2"] == {"copy", "out_scaled", "row_unwritten", "gqa_heads",
+                                         "paged_block_off", *slow}
+    assert by_route["gemm.nvfp4.qpn2"] == {"copy", "out_scaled", "row_unwritten",
+                                           "k_group_dropped"}
+    assert by_route["gemm.nvfp4.qpn2_packed"] == {"copy", "out_scaled", "row_unwritten",
+                                                  "k_group_dropped", *slow, "verify_path",
+                                                  "verify_cost_2pct"}
+    assert by_route["prefill.geometry.fp16_q7920"] == {"copy", *slow, "ppl_shift", "degenerate"}
+    for p in planned:
+        assert p.gates == ((p.defect.kind,) if p.defect else
+                           tuple(k for k in p.original.gates if k != "loader"))
+        # a slowdown relative to the baseline: the served code is the baseline's
+        if p.defect and p.defect.kind == "speed":
+            assert p.serves.name == p.original.baseline
+        else:
+            assert p.serves is p.original
+
+
+def test_slowdown_rungs_follow_the_policy(registry):
+    keys = {d.key for d in catalogue.catalogue(Policy(speed_min_gain=0.02)) if d.kind == "speed"}
+    assert keys == {"slow_2pct", "slow_3pct", "slow_10pct"}
+
+
+def test_planted_routes_are_ordinary_candidates(registry):
+    for p in plan(registry.candidates(), registry, Policy()):
+        registry.register(catalogue.as_route(p, registry, Policy()))
+    registry.validate()
+    copy = registry.get("gemm.nvfp4.qpn2_packed~copy")
+    assert copy.role == "candidate" and copy.baseline == "gemm.nvfp4.turbomind"
+    assert catalogue.original_of(copy.name) == "gemm.nvfp4.qpn2_packed"
+    assert catalogue.original_of("gemm.nvfp4.qpn2_packed") is None
+
+
+# ------------------------------------------------------------------------------ attn.d256
+
+D = 256
+
+
+def _qkv(tq=9, tk=40, hq=4, hkv=2, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(7)
+    return (torch.randn(tq, hq, D, generator=gen, dtype=dtype),
+            torch.randn(tk, hkv, D, generator=gen, dtype=dtype),
+            torch.randn(tk, hkv, D, generator=gen, dtype=dtype))
+
+
+def _attn(registry, key, base="attn.d256.sdpa"):
+    """The planted attention route of ``key`` serving the SDPA route (no native build)."""
+    p = _planted(registry, "attn.d256.fa2", key)
+    p = Planted(p.name, p.original, registry.get(base), p.defect)
+    return catalogue.as_route(p, registry, Policy()).implementation()
+
+
+def _dense(impl, q, k, v):
+    out = torch.full_like(q, float("nan"))
+    impl.dense(q, k, v, out, D ** -0.5, True)
+    return out
+
+
+def test_attention_copy_is_the_served_route_under_its_own_name(registry):
+    q, k, v = _qkv()
+    copy = _attn(registry, "copy")
+    with hits.counting() as delta:
+        out = _dense(copy, q, k, v)
+    assert delta.as_json() == {"attn.d256.fa2~copy/dense": 1}
+    assert torch.equal(out, _dense(registry.get("attn.d256.sdpa").implementation(), q, k, v))
+
+
+def test_attention_parity_defects_do_what_the_catalogue_says(registry):
+    q, k, v = _qkv()
+    good = _dense(registry.get("attn.d256.sdpa").implementation(), q, k, v)
+    scaled = _dense(_attn(registry, "out_scaled"), q, k, v)
+    assert torch.equal(scaled, (good.double() * (1 + 2**-9)).float())
+    unwritten = _dense(_attn(registry, "row_unwritten"), q, k, v)
+    assert torch.isnan(unwritten[-1]).all() and torch.equal(unwritten[:-1], good[:-1])
+    wrong = _dense(_attn(registry, "gqa_heads"), q, k, v)
+    heads = [h % 2 for h in range(4)]  # h % Hkv instead of h // 2
+    from dflash_kernels.attention import reference_attention
+
+    expected = reference_attention(q, k[:, heads], v[:, heads], D ** -0.5, True).float()
+    assert torch.allclose(wrong, expected, atol=1e-5)
+    assert not torch.allclose(wrong, good, atol=1e-3)
+
+
+def test_paged_block_off_by_one_reads_the_neighbouring_block(registry):
+    from dflash_kernels.attention import gather_pages
+
+    q, k, v = _qkv(tk=40)
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(5, 16, 2, D, generator=gen) for _ in range(2))
+    table = torch.tensor([3, 0, 4], dtype=torch.int32)
+    impl = _attn(registry, "paged_block_off")
+    out = torch.full_like(q, float("nan"))
+    impl.paged(q, k_cache, v_cache, table, 40, out, D ** -0.5, True)
+    shifted = torch.tensor([3, 0, 0], dtype=torch.int32)  # last block 4 -> (4 + 1) % 5
+    k2, v2 = gather_pages(k_cache, v_cache, shifted, 40)
+    assert torch.equal(out, _dense(registry.get("attn.d256.sdpa").implementation(), q, k2, v2))
+    assert torch.equal(table, torch.tensor([3, 0, 4], dtype=torch.int32)), "caller's table kept"
+
+
+# ------------------------------------------------------------------------------ gemm.nvfp4
+
+def _gemm(registry, key, route="gemm.nvfp4.qpn2_packed"):
+    return catalogue.as_route(_planted(registry, route, key), registry, Policy()).implementation()
+
+
+def _weight(n=64, k=128):
+    from dflash_kernels.nvfp4 import quantize
+
+    return quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * 0.05)
+
+
+def test_gemm_parity_defects_do_what_the_catalogue_says(registry):
+    w = _weight()
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2))
+    qpn2 = registry.get("gemm.nvfp4.qpn2").implementation()
+    good = qpn2.linear(x, qpn2.prepare(w))
+    for key, check in {
+        "copy": lambda y: torch.equal(y, good),
+        "out_scaled": lambda y: torch.equal(y, (good.double() * (1 + 2**-9)).float()),
+        "row_unwritten": lambda y: torch.isnan(y[-1]).all() and torch.equal(y[:-1], good[:-1]),
+    }.items():
+        impl = _gemm(registry, key, "gemm.nvfp4.qpn2")
+        with hits.counting() as delta:
+            y = impl.linear(x, impl.prepare(w))
+        assert check(y), key
+        assert delta.route(f"gemm.nvfp4.qpn2~{key}") == 1 and delta.route("gemm.nvfp4.qpn2") == 0
+    dropped = _gemm(registry, "k_group_dropped", "gemm.nvfp4.qpn2")
+    x0 = x.clone()
+    x0[:, -16:] = 0
+    assert torch.equal(dropped.linear(x, dropped.prepare(w)), qpn2.linear(x0, qpn2.prepare(w)))
+
+
+def test_verify_path_defect_sends_verify_widths_to_the_baseline_path(registry):
+    w = _weight()
+    impl = _gemm(registry, "verify_path")
+    prepared = impl.prepare(w)
+    for m, expect in ((8, "gemm.nvfp4.turbomind"), (40, "gemm.nvfp4.qpn4_bounded")):
+        x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
+        with hits.counting() as delta:
+            impl.gate_up(x, prepared)
+        assert delta.route(expect) >= 1, (m, delta.as_json())
+        assert delta.route("gemm.nvfp4.qpn2") == 0, (m, delta.as_json())
+
+
+# ------------------------------------------------------------------------------ engine
+
+@pytest.fixture(scope="module")
+def inner_engine():
+    from pytest_dflash.engines import reference
+
+    return reference.build({}, "quick")
+
+
+def _engine(registry, inner, key, policy=None):
+    from pytest_dflash.selftest.engine import EngineSelftest
+
+    policy = policy or Policy()
+    p = next(p for p in plan([registry.get("prefill.geometry.fp16_q7920")], registry, policy)
+             if p.key == key)
+    return EngineSelftest(inner, p, {"prefill.geometry": p.name}, policy)
+
+
+def test_ppl_shift_raises_each_segment_perplexity_by_twice_the_tolerance(registry, inner_engine):
+    ids = [256, *inner_engine.encode("def add(a, b):\n    return a + b\n")]
+    policy = Policy()
+    base = inner_engine.score(ids)
+    shifted = _engine(registry, inner_engine, "ppl_shift", policy).score(ids)
+
+    def ppl(lps):
+        return math.exp(-math.fsum(lps) / len(lps))
+
+    assert ppl(shifted) - ppl(base) == pytest.approx(2 * policy.ppl_tolerance, rel=1e-9)
+
+
+def test_every_fourth_completion_degenerates(registry, inner_engine):
+    from pytest_dflash.quality import check_output_contract
+
+    eng = _engine(registry, inner_engine, "degenerate")
+    gens = [eng.generate("def f(x):\n", 1, ["\n\n"]) for _ in range(5)]
+    runs = [i for i, g in enumerate(gens)
+            if not check_output_contract(g.text, g.token_ids, finish_reason=g.finish_reason)
+            .rules["same_token_run"]["ok"]]
+    assert runs == [0, 4]
+    assert gens[0].finish_reason == "length" and gens[0].text.startswith(gens[1].text[:1])
+
+
+def test_engine_hits_carry_the_planted_name(registry, inner_engine):
+    eng = _engine(registry, inner_engine, "slow_3pct")
+    before = eng.route_hits().get("prefill.geometry.fp16_q7920~slow_3pct", 0)
+    eng.reset_prefix_cache()
+    eng.prefill([256, 1, 2, 3])
+    assert eng.route_hits()["prefill.geometry.fp16_q7920~slow_3pct"] > before
+    assert "prefill.geometry.fp32_q3296" not in eng.route_hits()
+
+
+# ------------------------------------------------------------------------------ summary
+
+def _test(outcome, **measurements):
+    return {"nodeid": "x", "outcome": outcome, "measurements": measurements}
+
+
+def _report(gates_by_route, policy=None):
+    routes = {}
+    for name, (required, tests) in gates_by_route.items():
+        routes[name] = {"required": required, "gates": {
+            kind: {"status": summary_status(t), "figure": "", "tests": t}
+            for kind, t in zip(required, tests, strict=True)}}
+    return {"routes": routes, "policy": policy or Policy().as_dict()}
+
+
+def summary_status(tests):
+    from pytest_dflash.verdict import gate_status
+
+    return gate_status(tests)
+
+
+def _timing(lo, rounds, threshold=0.99, rule="gain"):
+    return dict(ci_low=lo, ci_high=lo + 0.02, threshold=threshold, rule=rule, rounds=rounds,
+                confidence=0.95)
+
+
+def test_min_rounds_of_a_distribution_free_median_interval():
+    assert summary.min_rounds(0.95) == 6
+    assert summary.min_rounds(0.99) == 8
+
+
+def test_summary_counts_catches_misses_and_resolution():
+    report = _report({
+        "r": (["speed"], [[_test("passed")]]),
+        "r~copy": (["speed"], [[_test("passed")]]),
+        "r~slow_1pct": (["speed"], [[_test("failed", **_timing(0.985, 48))]]),  # fail closed
+        "r~slow_3pct": (["speed"], [[_test("failed", **_timing(1.01, 24))]]),  # resolved
+        "r~slow_10pct": (["speed"], [[_test("passed")]]),  # missed
+        "p~copy": (["parity"], [[_test("passed")]]),
+        "p~out_scaled": (["parity"], [[_test("error")]]),
+    })
+    section = summary.summarize(report)["routes"]
+    speed = section["r"]["speed"]
+    assert speed["caught"] == 2 and speed["planted"] == 3 and speed["missed"] == ["slow_10pct"]
+    assert speed["resolution"] == 0.03 and not speed["resolves_policy"]
+    assert speed["copy_agrees"] and not speed["evidence"]
+    assert section["p"]["parity"]["errors"] == ["out_scaled"]
+    assert section["p"]["parity"]["evidence"]  # an error is not a miss, but it is reported
+    marks = summary.marks({"routes": section})
+    assert list(marks) == [("r", "speed")]
+    text = "\n".join(summary.render({"routes": section}))
+    assert "cannot resolve the policy's 1% here" in text and "MISSED: slow_10pct" in text
+
+
+def test_too_few_rounds_never_resolve():
+    report = _report({"r~slow_10pct": (["speed"], [[_test("failed", **_timing(1.2, 2))]])})
+    gate = summary.summarize(report)["routes"]["r"]["speed"]
+    assert gate["caught"] == 1 and gate["resolution"] is None
