@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from pytest_dflash import report as reports
+from pytest_dflash.selftest.catalogue import original_of
 
 #: fingerprint fields that say which code and kernels the evidence is about (checked by enable)
 CODE_FIELDS = ("git_head", "git_dirty_sha256", "kernel_sources_sha256", "sidecar_sha256")
@@ -50,8 +51,8 @@ def _enable(args: argparse.Namespace) -> int:
     if changed:
         print(f"pytest-dflash: --any-fingerprint: enabling evidence of other code "
               f"({'; '.join(changed)})", file=sys.stderr)
-    for entry in sorted(data["routes"].values(), key=lambda e: e["switch"]):
-        if entry["verdict"] == "accept":
+    for name, entry in sorted(data["routes"].items(), key=lambda item: item[1]["switch"]):
+        if entry["verdict"] == "accept" and original_of(name) is None:
             print(f"{entry['switch']}=1")
     return 0
 
@@ -97,6 +98,23 @@ def _history(args: argparse.Namespace) -> int:
               f"{e['device']}  {e['fingerprint']}  accept {v.get('accept', 0)} reject "
               f"{v.get('reject', 0)} pending {v.get('pending', 0)}  {e['file']}")
     return 0
+
+
+def _selftest(args: argparse.Namespace) -> int:
+    """The catch table of a report (``--run``: run the self-test first, through pytest)."""
+    from pytest_dflash.selftest import summary
+
+    if args.pytest_args is not None:
+        import subprocess
+
+        command = [sys.executable, "-m", "pytest", "--pyargs", "dflash_suites", "-m", "sm70",
+                   "--dflash-selftest", "--dflash-report", args.report, *args.pytest_args]
+        print(" ".join(command), flush=True)
+        return subprocess.call(command)
+    section = summary.summarize(reports.load(Path(args.report)))
+    for line in summary.render(section):
+        print(line)
+    return 1 if summary.marks(section) else 0
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -177,6 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     hist = sub.add_parser("history", help="list the runs kept by pytest --dflash-save")
     hist.add_argument("--root", default=".", help="folder holding .dflash/ (default: here)")
     hist.set_defaults(run=_history)
+    selftest = sub.add_parser(
+        "selftest", help="the self-test's catch table of a report (exit 1 if a gate missed a "
+        "planted defect); with --run, run `pytest -m sm70 --dflash-selftest` first")
+    selftest.add_argument("report", nargs="?", default="dflash-report.json")
+    selftest.add_argument("--run", nargs=argparse.REMAINDER, default=None, dest="pytest_args",
+                          metavar="PYTEST_ARGS",
+                          help="run the self-test (remaining arguments go to pytest, e.g. "
+                               "--dflash-profile quick --dflash-route NAME)")
+    selftest.set_defaults(run=_selftest)
     build = sub.add_parser("build", help="build the bundled D256 op library ahead of time")
     build.add_argument("--variant", choices=("full", "dense_only"), default="full")
     build.add_argument("--cache-dir", type=Path, default=None,

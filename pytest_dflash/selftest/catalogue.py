@@ -138,6 +138,12 @@ def original_of(name: str) -> str | None:
     return original if sep else None
 
 
+def verdict_routes(routes: dict[str, Any]) -> dict[str, Any]:
+    """A report's routes without the planted ones: what verdicts, exit statuses and enable
+    switches are about (planted routes are judged in the self-test's own table)."""
+    return {name: entry for name, entry in routes.items() if original_of(name) is None}
+
+
 def plan(candidates: Iterable[Route], registry: Any, policy: Any) -> list[Planted]:
     """The copy and the applicable defects of every candidate that has a catalogued gate."""
     defects = catalogue(policy)
