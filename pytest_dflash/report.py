@@ -142,6 +142,16 @@ def validate(data: Any, path: Path | str = "report") -> None:
             "evidence: rerun the gates"
         )
     recompute(data["routes"])
+    if "selftest" in data:
+        from pytest_dflash.selftest.summary import summarize
+
+        fresh = summarize(data)
+        if json.loads(json.dumps(data["selftest"])) != json.loads(json.dumps(fresh)):
+            raise ReportError(
+                f"{path}: corrupt report: field selftest disagrees with the planted routes' "
+                "tests; the catch table was edited without the evidence: rerun the gates"
+            )
+        data["selftest"] = fresh
 
 
 def field_name(parts: Iterable[str | int]) -> str:

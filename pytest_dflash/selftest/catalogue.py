@@ -32,6 +32,7 @@ other route.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -170,5 +171,5 @@ def as_route(planted: Planted, registry: Any, policy: Any) -> Route:
     return Route(
         planted.name, original.family, "candidate", baseline=original.baseline,
         gates=planted.gates, impl=implementation_for(planted, registry, policy), engine=engine,
-        probe=original.probe, switch=f"DFLASH_SELFTEST_{planted.key.upper()}",
+        probe=original.probe, switch=re.sub(r"\W", "_", f"DFLASH_SELFTEST_{planted.name}").upper(),
         description=f"self-test of {original.name}: {planted.what}")

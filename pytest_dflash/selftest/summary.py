@@ -23,9 +23,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from types import SimpleNamespace
 from typing import Any
 
-from pytest_dflash.selftest.catalogue import COPY, SEPARATOR, TIMING_KINDS, original_of
+from pytest_dflash.policy import Policy
+from pytest_dflash.selftest.catalogue import (
+    COPY,
+    SEPARATOR,
+    TIMING_KINDS,
+    catalogue,
+    original_of,
+)
 
 CAUGHT, MISSED, ERROR, PENDING = "caught", "missed", "error", "pending"
 
@@ -86,6 +94,7 @@ def summarize(report: Mapping[str, Any]) -> dict[str, Any]:
     """The ``selftest`` section of ``report`` (empty routes when nothing was planted)."""
     routes = report.get("routes", {})
     policy = report.get("policy", {})
+    whats = {d.key: d.what for d in catalogue(SimpleNamespace(**{**Policy().as_dict(), **policy}))}
     out: dict[str, Any] = {}
     for name, entry in sorted(routes.items()):
         original = original_of(name)
@@ -104,7 +113,7 @@ def summarize(report: Mapping[str, Any]) -> dict[str, Any]:
                 continue
             status = _defect_status(gate)
             record: dict[str, Any] = {"key": key, "route": name, "status": status,
-                                      "what": entry.get("description", ""),
+                                      "what": whats.get(key, ""),
                                       "figure": (gate or {}).get("figure", "")}
             fraction = _slowdown(key)
             if kind in TIMING_KINDS and fraction is not None:
