@@ -4,8 +4,9 @@ Like verdicts, the section is a pure function of the recorded outcomes and measu
 CLI recomputes it from any report and a stored section is never trusted. Per original route and
 gate kind:
 
-* ``copy``: the unchanged copy's gate status next to the route's own (they must agree: a gate
-  that accepts a route and rejects its copy, or the reverse, cannot reproduce its decision);
+* ``copy``: the unchanged copy's gate status next to the route's own; ``copy_agrees`` is False
+  when both were decided differently (a gate that accepts a route and rejects its copy, or the
+  reverse, cannot reproduce its decision here), None when either did not run;
 * ``defects``: each planted defect ``caught`` (its gate failed a test), ``missed`` (its gate
   passed it), ``error`` (the gate errored before judging) or ``pending`` (did not run);
 * timing gates: ``resolution``, the smallest planted slowdown the gate *resolved*, i.e. rejected
@@ -34,6 +35,7 @@ from pytest_dflash.selftest.catalogue import (
     catalogue,
     original_of,
 )
+from pytest_dflash.verdict import gate_status
 
 CAUGHT, MISSED, ERROR, PENDING = "caught", "missed", "error", "pending"
 
@@ -105,11 +107,12 @@ def summarize(report: Mapping[str, Any]) -> dict[str, Any]:
         for kind in entry.get("required", []):
             gate = entry["gates"].get(kind)
             section = out.setdefault(original, {}).setdefault(kind, {
-                "copy": None, "route_status": own.get(kind, {}).get("status", "not run"),
+                "copy": None,
+                "route_status": gate_status(own[kind]["tests"]) if kind in own else "not run",
                 "defects": [], "caught": 0, "planted": 0, "missed": [], "errors": []})
             if key == COPY:
                 section["copy"] = {"route": name,
-                                   "status": (gate or {}).get("status", PENDING)}
+                                   "status": gate_status(gate["tests"]) if gate else PENDING}
                 continue
             status = _defect_status(gate)
             record: dict[str, Any] = {"key": key, "route": name, "status": status,
@@ -136,8 +139,10 @@ def summarize(report: Mapping[str, Any]) -> dict[str, Any]:
 
 def _finish(kind: str, section: dict[str, Any], policy: Mapping[str, Any]) -> None:
     copy = section["copy"]
-    section["copy_agrees"] = (copy is not None and section["route_status"] in ("passed", "failed")
-                              and copy["status"] == section["route_status"])
+    decided = ("passed", "failed")
+    section["copy_agrees"] = (copy["status"] == section["route_status"]
+                              if copy is not None and copy["status"] in decided
+                              and section["route_status"] in decided else None)
     section["evidence"] = not section["missed"]
     if kind not in TIMING_KINDS:
         return
@@ -191,7 +196,7 @@ def render(section: Mapping[str, Any]) -> list[str]:
             if defect["status"] != CAUGHT:
                 lines.append(f"    {defect['status'].upper()}: {defect['key']} "
                              f"({defect['what']})")
-        if gate["copy"] and not gate["copy_agrees"]:
+        if gate["copy_agrees"] is False:
             lines.append(f"    copy {gate['copy']['status']} but the route {gate['route_status']}:"
                          " the gate does not reproduce its own decision here")
         if not gate["evidence"]:
