@@ -53,8 +53,14 @@ def test_op_level_defects_are_caught_and_copies_accepted(pytester: pytest.Pytest
     # the CLI recomputes the same table from the report
     from pytest_dflash.cli import main
 
-    assert main(["selftest", str(pytester.path / "selftest-report.json")]) == 0
-    assert main(["verdict", str(pytester.path / "selftest-report.json")]) == 0
+    path = pytester.path / "selftest-report.json"
+    assert main(["selftest", str(path)]) == 0
+    assert main(["verdict", str(path)]) == 0, "planted routes never decide the exit status"
+    # the stored catch table is derived data: an edited one makes the report corrupt
+    report["selftest"]["routes"]["gemm.nvfp4.qpn2"]["parity"]["missed"] = []
+    report["selftest"]["routes"]["gemm.nvfp4.qpn2"]["parity"]["caught"] = 0
+    path.write_text(json.dumps(report))
+    assert main(["selftest", str(path)]) == 2
 
 
 def test_attention_defects_are_caught(pytester: pytest.Pytester) -> None:
