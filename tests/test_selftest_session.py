@@ -70,7 +70,7 @@ def test_attention_defects_are_caught(pytester: pytest.Pytester) -> None:
     assert keys == {"out_scaled", "row_unwritten", "gqa_heads", "paged_block_off"}
 
 
-def test_model_level_and_validation_cost_defects_are_caught(pytester: pytest.Pytester) -> None:
+def test_model_level_defects_are_caught(pytester: pytest.Pytester) -> None:
     _, report = _run(pytester, "-m", "sm70",
                      "--dflash-gate", "prefill.geometry.fp16_q7920:ppl",
                      "--dflash-gate", "prefill.geometry.fp16_q7920:quality")
