@@ -58,7 +58,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--dflash-merge", action="store_true", default=None,
                     help="merge this run's results into the existing report (same evidence only)")
     group.addoption("--dflash-strict", action="store_true", default=None,
-                    help="fail the run if a selected candidate is left pending (CI gate jobs)")
+                    help="fail the run if a selected candidate is left pending, or a gate's "
+                         "self-test missed a planted defect (CI gate jobs)")
+    group.addoption("--dflash-selftest", action="store_true", default=None,
+                    help="plant the catalogue's defects next to every selected candidate and "
+                         "prove each gate catches them here (docs/selftest.md)")
     group.addoption("--dflash-allow-unjailed", action="store_true", default=False,
                     help="score generated code even where no file-system jail can be built "
                          "(the host's files readable to it); recorded in the report "
@@ -69,6 +73,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("dflash_report", "default for --dflash-report", default=DEFAULT_REPORT)
     parser.addini("dflash_strict", "default for --dflash-strict", type="bool", default=False)
     parser.addini("dflash_merge", "default for --dflash-merge", type="bool", default=False)
+    parser.addini("dflash_selftest", "default for --dflash-selftest", type="bool", default=False)
     engine_setup.add_options(group, parser)
 
 

@@ -28,6 +28,8 @@ from pytest_dflash.loader import SIDECAR_ENV
 from pytest_dflash.policy import Policy, PolicyError, load_policy
 from pytest_dflash.registry import RegistryError, Route, RouteRegistry
 from pytest_dflash.sandbox import ALLOW_UNJAILED_ENV
+from pytest_dflash.selftest import summary as selftest_summary
+from pytest_dflash.selftest.catalogue import original_of, verdict_routes
 from pytest_dflash.table import render
 from pytest_dflash.vocabulary import EXCLUSIVE_KINDS, UnknownNameError, check_kind
 
@@ -76,6 +78,10 @@ def start(config: pytest.Config) -> DflashState:
         config.hook.pytest_dflash_routes(registry=state.registry)
         state.registry.validate()
         _select(state, config)
+        if option(config, "selftest"):
+            from pytest_dflash.selftest.session import start as start_selftest
+
+            start_selftest(config, state)
     except (RegistryError, UnknownNameError, PolicyError) as exc:
         raise pytest.UsageError(f"pytest-dflash: {exc}") from None
     sidecar = config.getoption("dflash_sidecar")
@@ -157,12 +163,20 @@ class EvidenceCollector:
         test["duration_s"] = round(test["duration_s"] + report.duration, 6)
         test["measurements"].update(bound["measurements"])
         test["gpu"] = bound.get("gpu") or test["gpu"]
-        if report.skipped and test["outcome"] == "passed":
+        if getattr(report, "wasxfail", None) is not None and report.skipped:
+            # an expected failure is still a failed gate test (the self-test's planted defects
+            # are expected to fail their gate); only its effect on the exit status differs
+            test["outcome"] = "failed" if report.when == "call" else "error"
+            test["message"] = _first_line(report)
+        elif report.skipped and test["outcome"] == "passed":
             test["outcome"] = "skipped"
             if isinstance(report.longrepr, tuple):
                 test["message"] = str(report.longrepr[2]).removeprefix("Skipped: ")
         elif report.failed:
-            test["outcome"] = "failed" if report.when == "call" else "error"
+            # an expected-failure test that failed anyway raised what its mark does not expect
+            # (a planted route that broke the test instead of being judged): an error
+            expected = "xfail" in report.keywords
+            test["outcome"] = "failed" if report.when == "call" and not expected else "error"
             test["message"] = _first_line(report)
         junit.flatten(report, PROPERTY, {**bound, "measurements": test["measurements"]})
 
@@ -199,14 +213,19 @@ class EvidenceCollector:
         if mixed:
             self.problems.extend(mixed)
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if any(original_of(name) for name in evidence["routes"]):
+            evidence["selftest"] = selftest_summary.summarize(evidence)
         reports.write_atomic(evidence, self.report_path)
         self.report = evidence
         junit.add_verdicts(config, evidence)
         self.history = reporting.finish(config, evidence)
         self.problems.extend(self.history.problems)
         if option(config, "strict"):
-            pending = [r.name for r in self.state.candidates()
-                       if evidence["routes"].get(r.name, {}).get("verdict") == "pending"]
+            for reason in selftest_summary.marks(evidence.get("selftest", {})).values():
+                self.problems.append(f"strict mode: {reason}")
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            pending = [name for name, entry in verdict_routes(evidence["routes"]).items()
+                       if entry.get("verdict") == "pending"]
             if pending:
                 self.problems.append("strict mode: selected candidates left pending: "
                                      + ", ".join(pending))
@@ -223,6 +242,11 @@ class EvidenceCollector:
         if self.report is not None:
             for line in render(self.report):
                 tr.write_line(line)
+            if "selftest" in self.report:
+                tr.write_sep("-", "dflash self-test: planted defects caught per gate "
+                                  "(docs/selftest.md)")
+                for line in selftest_summary.render(self.report["selftest"]):
+                    tr.write_line(line)
             tr.write_line(f"report: {self.report_path}")
         if self.history is not None:
             for line, markup in reporting.summary_lines(self.history, self.config.rootpath):

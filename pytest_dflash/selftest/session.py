@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pytest_dflash.selftest import catalogue, engine, summary
+from pytest_dflash.selftest import catalogue, engine
 
 
 class SelftestSession:
@@ -63,6 +63,11 @@ class SelftestSession:
         return engine.build(config, selection, profile, self.planted, self.policy)
 
 
-def section(report: dict[str, Any]) -> dict[str, Any]:
-    """The report's ``selftest`` section, recomputed from its outcomes."""
-    return summary.summarize(report)
+def start(config: pytest.Config, state: Any) -> SelftestSession:
+    """Plant the self-test routes of the session's selected candidates and register the
+    self-test's hooks (``state`` is the session's ``pytest_dflash.session.DflashState``)."""
+    selftest = SelftestSession(config, state.policy)
+    selftest.install(state.registry, state.candidates(), state.selected_routes,
+                     state.selected_gates)
+    config.pluginmanager.register(selftest, "dflash-selftest")
+    return selftest

@@ -35,7 +35,7 @@ from pytest_dflash.selftest.catalogue import (
     catalogue,
     original_of,
 )
-from pytest_dflash.verdict import gate_status
+from pytest_dflash.verdict import gate_figure, gate_status
 
 CAUGHT, MISSED, ERROR, PENDING = "caught", "missed", "error", "pending"
 
@@ -117,7 +117,7 @@ def summarize(report: Mapping[str, Any]) -> dict[str, Any]:
             status = _defect_status(gate)
             record: dict[str, Any] = {"key": key, "route": name, "status": status,
                                       "what": whats.get(key, ""),
-                                      "figure": (gate or {}).get("figure", "")}
+                                      "figure": gate_figure(gate["tests"]) if gate else ""}
             fraction = _slowdown(key)
             if kind in TIMING_KINDS and fraction is not None:
                 timings = [t for test in (gate or {}).get("tests", [])
