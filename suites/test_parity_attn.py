@@ -90,6 +90,11 @@ def test_paged_parity(dflash_gate, dtype, block_size):
                          True)
         oracle = calls.oracle_of(q, k, v, True)
         log.add(check_parity(out, oracle, ref, policy=policy, dtype=dtype, label=label))
+        # the candidate's own dense result is the yardstick here: a NaN in it is the candidate's
+        # failure (judged below against the oracle by the dense tests), not a broken oracle
+        assert torch.isfinite(dense).all(), (
+            f"{label}: the candidate's own dense output has "
+            f"{int((~torch.isfinite(dense)).sum())} NaN/Inf elements")
         log.add(check_parity(out, dense.double(), None, policy=policy, dtype=dtype,
                              label=label + " vs own dense"))
     log.finish()
