@@ -33,11 +33,13 @@ from dflash_suites.support.gemm import (
     ODD_M,
     ODD_SHAPE,
     TARGET_LAYERS,
+    ScaledReference,
     gate_parity_case,
     large_m,
     layer_shape,
     make_weight,
     make_x,
+    parity_case,
 )
 from pytest_dflash import hits
 from pytest_dflash.numerics import assert_bitwise_equal
@@ -86,13 +88,15 @@ MAGNITUDES = {
     # e4m3 * global * 2^14 > 65504: the fp16 pre-scaled form overflows; raw E4M3 must be used
     "large": (50.0, 1e-2),
 }
+SCALED_REFERENCE = ScaledReference()
 
 
 @pytest.mark.gate("parity", family=FAMILY)
 @pytest.mark.parametrize("magnitude", list(MAGNITUDES))
 def test_gemm_parity_weight_magnitude(dflash_gate, magnitude):
     """Global scales far from 1 in both directions, at small and large M: a route that
-    mishandles the global scale or the fp16 scale form fails by orders of magnitude."""
+    mishandles the global scale or the fp16 scale form fails by orders of magnitude. The
+    same-dtype reference is the unit-scaled one (the family baseline underflows here)."""
     w_mag, x_mag = MAGNITUDES[magnitude]
     k, n = layer_shape("down", dflash_gate.profile)
     w = make_weight(n, k, seed=dflash_gate.seed(magnitude, "w"), device=dflash_gate.device,
@@ -103,7 +107,9 @@ def test_gemm_parity_weight_magnitude(dflash_gate, magnitude):
             x = make_x(rows, k, seed=dflash_gate.seed(magnitude, rows), dtype=dtype,
                        device=dflash_gate.device, magnitude=x_mag)
             label = f"{magnitude} weights M={rows} K={k} N={n} {dtype}"
-            log.add(gate_parity_case(dflash_gate, w, x, gated=False, label=label))
+            log.add(parity_case(dflash_gate.route.name, dflash_gate.impl, dflash_gate.oracle,
+                                SCALED_REFERENCE, w, x, gated=False, policy=dflash_gate.policy,
+                                label=label))
     log.finish()
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_kernels.gemm import MAX_VERIFY_M, as_gemm_route, poisoned_buffers
-from dflash_kernels.nvfp4 import NVFP4Weight, quantize
+from dflash_kernels.nvfp4 import NVFP4Weight, dequantize, quantize
 from dflash_suites.support import assert_route_ran, check_same_kernels, no_zeros
 from pytest_dflash import hits
 from pytest_dflash.environment import gate_dtype
@@ -114,6 +114,31 @@ def gate_parity_case(gate: GateContext, w: NVFP4Weight, x: torch.Tensor, *, gate
     """:func:`parity_case` for the gate's candidate, its family oracle and its baseline."""
     return parity_case(gate.route.name, gate.impl, gate.oracle, gate.baseline, w, x,
                        gated=gated, policy=gate.policy, label=label)
+
+
+class ScaledReference:
+    """Same-dtype reference for weights far from 1: the exactly dequantized weight and the
+    activations are scaled by powers of two to unit size, multiplied in the input dtype, and
+    scaled back (exact). The family baseline dequantizes straight into fp16, which underflows
+    for tiny global scales (the very defect the QPN 2^14 bias exists to avoid), so there it is
+    no reference: the parity check would rightly call it unreliable."""
+
+    def prepare(self, w: NVFP4Weight) -> tuple[torch.Tensor, int]:
+        dense = dequantize(w, torch.float64)
+        return _unit_scaled(dense)
+
+    def linear(self, x: torch.Tensor, prepared: tuple[torch.Tensor, int]) -> torch.Tensor:
+        dense, w_shift = prepared
+        xs, x_shift = _unit_scaled(x.double())
+        y = xs.to(x.dtype) @ dense.to(device=x.device, dtype=x.dtype).T
+        return (y.double() * 2.0 ** -(w_shift + x_shift)).to(x.dtype)
+
+
+def _unit_scaled(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t * 2**shift`` with its largest magnitude in [0.5, 1), and ``shift``."""
+    amax = float(t.abs().max())
+    shift = -math.frexp(amax)[1] if amax > 0 else 0
+    return t * 2.0 ** shift, shift
 
 
 class GemmPair:
