@@ -78,8 +78,8 @@ class EngineSelftest:
     def reset_prefix_cache(self) -> None:
         self.inner.reset_prefix_cache()
 
-    def encode(self, text: str) -> list[int]:
-        return self.inner.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.inner.encode(text, add_special_tokens=add_special_tokens)
 
     def route_hits(self) -> dict[str, int]:
         """The inner engine's hits with the served route's name replaced by the planted one."""
