@@ -7,6 +7,10 @@ the *old* httpcore exception classes, so a refused connection escapes as a raw h
 and a server engine's health wait gives up at once instead of retrying.
 """
 
-import httpcore  # noqa: F401  (httpx imports it lazily, inside the first client)
-import httpx  # noqa: F401
+import contextlib
+
 import torch  # noqa: F401
+
+with contextlib.suppress(ImportError):  # the test extra; `pip install -e .` alone lacks it
+    import httpcore  # noqa: F401  (httpx imports it lazily, inside the first client)
+    import httpx  # noqa: F401
