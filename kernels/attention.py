@@ -145,8 +145,15 @@ class SdpaAttention(_Route):
     and k/v are expanded over G with stride 0. Causal with Tq < Tk needs a bottom-right aligned
     mask, which SDPA's ``is_causal`` (top-left aligned) is not, so an explicit mask is passed
     there. On CUDA that combination (stride-0 expanded K/V with an explicit mask) returns wrong
-    values in torch (docs/attention.md has the reproduction), so there K/V are expanded to Hq
+    values in torch (docs/cuda.md has the reproduction), so there K/V are expanded to Hq
     heads by copy instead; the CPU keeps the copy-free view.
+
+    Masked calls on CUDA (a prefix: every paged call, every prefill chunk after the first, every
+    decode step) leave cuDNN out of the backends SDPA may choose: cuDNN builds an execution plan
+    for each new (Tq, Tk), about 20 ms of host time per call on an H200, and a decoding engine's
+    Tk grows by one every step (measured: a decode step of the reference engine took 48 ms, 39 of
+    them in cuDNN planning). Unmasked calls (a whole causal prefill, the speed gate's shape)
+    keep every backend, so the baseline is still the fastest torch has for that card there.
     """
 
     route = f"{FAMILY}.sdpa"
@@ -158,19 +165,37 @@ class SdpaAttention(_Route):
         mask = None
         if causal and tq != tk:
             mask = causal_mask(tq, tk, q.device)
-        if mask is not None and group > 1 and q.device.type != "cpu":
-            qh = q.permute(1, 0, 2).unsqueeze(0)  # [1, Hq, Tq, D]
-            kh = k.permute(1, 0, 2).repeat_interleave(group, 0).unsqueeze(0)  # [1, Hq, Tk, D]
-            vh = v.permute(1, 0, 2).repeat_interleave(group, 0).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=softmax_scale)
-            out.copy_(o[0].permute(1, 0, 2))
-            return
-        qh = q.view(tq, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
-        kh = k.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
-        vh = v.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
-                                           is_causal=causal and tq == tk, scale=softmax_scale)
-        out.view(tq, hkv, group, d).copy_(o.permute(2, 0, 1, 3))
+        with _backends(q.device, masked=mask is not None):
+            if mask is not None and group > 1 and q.device.type != "cpu":
+                qh = q.permute(1, 0, 2).unsqueeze(0)  # [1, Hq, Tq, D]
+                kh = k.permute(1, 0, 2).repeat_interleave(group, 0).unsqueeze(0)  # [1, Hq, Tk, D]
+                vh = v.permute(1, 0, 2).repeat_interleave(group, 0).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
+                                                   scale=softmax_scale)
+                out.copy_(o[0].permute(1, 0, 2))
+                return
+            qh = q.view(tq, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
+            kh = k.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
+            vh = v.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
+                                               is_causal=causal and tq == tk, scale=softmax_scale)
+            out.view(tq, hkv, group, d).copy_(o.permute(2, 0, 1, 3))
+
+
+# SDPA backends a masked CUDA call may use (SdpaAttention's docstring says why not cuDNN).
+_MASKED_CUDA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+@contextmanager
+def _backends(device: torch.device, masked: bool) -> Iterator[None]:
+    """SDPA's backend choice for one call: unrestricted, except masked calls on CUDA."""
+    if not masked or device.type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([getattr(SDPBackend, name) for name in _MASKED_CUDA_BACKENDS]):
+        yield
 
 
 class Fa2Attention(_Route):

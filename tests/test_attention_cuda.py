@@ -217,6 +217,26 @@ def test_sdpa_baseline_matches_the_oracle_on_cuda(shape, dtype):
         assert_parity(out, q, k, v, causal, dtype, f"sdpa {shape} causal={causal} {dtype}")
 
 
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_sdpa_masked_calls_never_plan_cudnn(hkv):
+    """A decoding engine calls the baseline with a new Tk every step: cuDNN would build an
+    execution plan per call (~20 ms of host time), so masked calls must not reach it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    names = []
+    for tk in (300, 301):
+        q, k, v = make_qkv(1, tk, 2, hkv, torch.float16, seed=tk)
+        out = torch.full_like(q, float("nan"))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            SDPA.dense(q, k, v, out, SCALE, True)
+            torch.cuda.synchronize()
+        names += [e.name for e in prof.events()]
+        assert_parity(out, q, k, v, True, torch.float16, f"sdpa decode Tk={tk} Hkv={hkv}")
+    assert any("attention" in n.lower() or "fmha" in n.lower() for n in names), sorted(set(names))
+    cudnn = sorted({n for n in names if "cudnn" in n.lower()})
+    assert not cudnn, f"masked SDPA calls reached cuDNN: {cudnn}"
+
+
 def test_routes_record_hits_and_match_the_oracle_route(cuda_ops):
     q, k, v = make_qkv(129, 700, 8, 2, torch.float32, seed=5)
     outs = {}
