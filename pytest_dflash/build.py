@@ -50,7 +50,8 @@ CFLAGS: tuple[str, ...] = ("-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", 
 # nvcc: a plain-CUDA source behind a small launch interface (attn_d256_cuda.cu) needs no torch
 # include paths; a source that includes ATen/c10/torch headers (qpn_gemm_cuda.cu, through
 # qpn_common.h) gets them, with torch's own half/bfloat16 conventions and C++20 like the C++ part.
-NVCC_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC")
+# --threads 0: the targets of one source (e.g. sm_90 and compute_75) compile in parallel.
+NVCC_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--threads", "0")
 NVCC_TORCH_FLAGS: tuple[str, ...] = (
     "-std=c++20", "--expt-relaxed-constexpr",
     "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
@@ -335,6 +336,21 @@ def _run(cmd: list[str], target: Path) -> None:
         )
 
 
+def _run_concurrently(cmds: list[list[str]], target: Path) -> None:
+    """Run independent compiles at once (each CUDA source is its own nvcc process, the slowest
+    part of a build); the first failure is raised once all have finished."""
+    if len(cmds) <= 1:
+        for cmd in cmds:
+            _run(cmd, target)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(cmds)) as pool:
+        futures = [pool.submit(_run, cmd, target) for cmd in cmds]
+    for future in futures:
+        future.result()
+
+
 def build_library(variant: str = "full", cache_dir: Path | None = None) -> Path:
     """Return the cached library for ``variant``, compiling it first if needed (~15 s for the
     C++ part, about a minute more with CUDA sources).
@@ -360,8 +376,9 @@ def build_library(variant: str = "full", cache_dir: Path | None = None) -> Path:
         tmp = Path(tmp_name)
         objects = [tmp.with_name(f"{tmp.name}.{src.stem}.o") for src, _ in plan.nvcc_cmds]
         try:
-            for (_, cmd), obj in zip(plan.nvcc_cmds, objects, strict=True):
-                _run([*cmd, "-o", str(obj)], target)
+            _run_concurrently([[*cmd, "-o", str(obj)]
+                               for (_, cmd), obj in zip(plan.nvcc_cmds, objects, strict=True)],
+                              target)
             _run([*plan.cxx_cmd, *map(str, objects), *plan.link_flags, "-o", str(tmp)], target)
             os.chmod(tmp, 0o755)
             os.replace(tmp, target)

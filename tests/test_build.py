@@ -158,3 +158,14 @@ def test_cuda_sources_get_torch_flags_only_when_they_include_torch(tmp_path):
     assert build._includes_torch(tmp_path / "direct.cu")
     shipped = {src.name: build._includes_torch(src) for src in build.csrc_dir().glob("*.cu")}
     assert shipped == {"attn_d256_cuda.cu": False, "qpn_gemm_cuda.cu": True}
+
+
+def test_concurrent_compiles_all_finish_and_the_failure_is_raised(tmp_path):
+    """CUDA sources compile as parallel processes: a failing one is reported with its output,
+    and only after the others have finished (no compiler is left writing into the cache)."""
+    slow_ok = ["sh", "-c", f"sleep 0.3; touch {tmp_path / 'slow.o'}"]
+    failing = ["sh", "-c", "echo 'error: bad kernel' >&2; exit 3"]
+    with pytest.raises(build.BuildError, match=r"(?s)exit 3.*error: bad kernel"):
+        build._run_concurrently([failing, slow_ok], tmp_path / "lib.so")
+    assert (tmp_path / "slow.o").is_file()
+    build._run_concurrently([slow_ok], tmp_path / "lib.so")
