@@ -13,7 +13,9 @@ load it. It has three jobs:
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +126,25 @@ def run_repo_pytest(tmp_path: Path):
         return done, report
 
     return run
+
+
+@pytest.fixture
+def run_child_json():
+    """Run Python ``code`` in a fresh interpreter and return the JSON its last stdout line holds:
+    ``run_child_json(code, timeout_s=300) -> object``.
+
+    For calls that must raise a clear error, where a native crash instead (on the CUDA build of
+    the bundled library, some refused op calls end in SIGSEGV; docs/cuda.md) has to fail the one
+    test, naming the signal, rather than end the whole session."""
+
+    def run(code: str, timeout_s: float = 300) -> object:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout_s, env=dict(os.environ))
+        if done.returncode < 0:
+            pytest.fail(f"the child interpreter crashed ({signal.Signals(-done.returncode).name})"
+                        f"; stderr: {done.stderr[-2000:]}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return run
+

@@ -11,11 +11,6 @@ element fails. Split-KV cases use enough keys for several real splits.
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -188,16 +183,10 @@ print(json.dumps({name: refused(call) for name, call in cases.items()}))
 """
 
 
-def test_cuda_refuses_bad_block_ids_unaligned_views_and_bad_settings(cuda_ops):
+def test_cuda_refuses_bad_block_ids_unaligned_views_and_bad_settings(cuda_ops, run_child_json):
     """Each bad call must raise with a message naming the problem. Run in a child interpreter:
     a native crash on such a call must fail this test, not end the session."""
-    done = subprocess.run([sys.executable, "-c", _REFUSALS], capture_output=True, text=True,
-                          timeout=300)
-    if done.returncode < 0:
-        pytest.fail(f"a refused call crashed the interpreter "
-                    f"({signal.Signals(-done.returncode).name}); stderr: {done.stderr[-2000:]}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    messages = json.loads(done.stdout.strip().splitlines()[-1])
+    messages = run_child_json(_REFUSALS)
     assert "16-byte boundary" in (messages["unaligned"] or ""), messages
     assert "one device" in (messages["devices"] or ""), messages
     assert "block_table[1] = 99 is out of range" in (messages["block_ids"] or ""), messages

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
 
@@ -177,31 +178,48 @@ def test_workspace_storage_is_released_with_its_route() -> None:
     assert int(torch.ops.dflash_qpn.workspace_peak(ws_id)) == 0  # a fresh, empty slot
 
 
-def test_op_argument_errors_name_the_problem() -> None:
-    w = QPN2.prepare(_weight(90, 128))
-    op = torch.ops.dflash_qpn.qpn2_linear
-    x = _x(2, 128)
-    cases = [
-        ((x, w.buffer.int(), w.scales, w.global_scale, w.n, w.k, False), "flat uint8 QPN"),
-        ((x, w.buffer, w.scales.view(-1), w.global_scale, w.n, w.k, False), "raw E4M3 bytes"),
-        ((x, w.buffer, w.scales, w.global_scale, w.n, 192, False), "K = 128 but the weight"),
-        ((x, w.buffer, w.scales, w.global_scale, w.n, 96, False), "K % 64 == 0"),
-        ((x, w.buffer, w.scales, w.global_scale, 200, w.k, False), "n = 200 does not match"),
-        ((x, w.buffer, w.scales, w.global_scale, 89, w.k, True), "even N"),
-        ((x.bfloat16(), w.buffer, w.scales, w.global_scale, w.n, w.k, False), "fp32 or fp16"),
-        ((x[None], w.buffer, w.scales, w.global_scale, w.n, w.k, False), r"2-D \[M, K\]"),
-    ]
-    for args, match in cases:
-        with pytest.raises(ValueError, match=match):
-            op(*args)
-    packed = torch.ops.dflash_qpn.qpn2_packed_linear
-    ws = shared_workspace("cpu").id
-    with pytest.raises(ValueError, match="scales_fp16 must be contiguous fp16"):
-        packed(x, w.buffer, w.scales, w.scales.float(), w.global_scale, w.n, w.k, 33, ws,
-               2**20, False)
-    with pytest.raises(ValueError, match="raise workspace_bytes to at least"):
-        packed(_x(40, 128), w.buffer, w.scales, None, w.global_scale, w.n, w.k, 33, ws, 100,
-               False)
+_ARGUMENT_ERRORS = r"""
+import json, re, torch
+from dflash_kernels.gemm import QPN2, shared_workspace
+from dflash_kernels.nvfp4 import quantize
+g = torch.Generator().manual_seed(0)
+w = QPN2.prepare(quantize(torch.randn(90, 128, generator=g) * 0.05))
+x = torch.randn(2, 128, generator=g)
+op, packed = torch.ops.dflash_qpn.qpn2_linear, torch.ops.dflash_qpn.qpn2_packed_linear
+ws = shared_workspace("cpu").id
+calls = {
+    "flat uint8 QPN": lambda: op(x, w.buffer.int(), w.scales, w.global_scale, w.n, w.k, False),
+    "raw E4M3 bytes": lambda: op(x, w.buffer, w.scales.view(-1), w.global_scale, w.n, w.k, False),
+    "K = 128 but the weight": lambda: op(x, w.buffer, w.scales, w.global_scale, w.n, 192, False),
+    "K % 64 == 0": lambda: op(x, w.buffer, w.scales, w.global_scale, w.n, 96, False),
+    "n = 200 does not match": lambda: op(x, w.buffer, w.scales, w.global_scale, 200, w.k, False),
+    "even N": lambda: op(x, w.buffer, w.scales, w.global_scale, 89, w.k, True),
+    "fp32 or fp16": lambda: op(x.bfloat16(), w.buffer, w.scales, w.global_scale, w.n, w.k, False),
+    r"2-D \[M, K\]": lambda: op(x[None], w.buffer, w.scales, w.global_scale, w.n, w.k, False),
+    "scales_fp16 must be contiguous fp16": lambda: packed(
+        x, w.buffer, w.scales, w.scales.float(), w.global_scale, w.n, w.k, 33, ws, 2**20, False),
+    "raise workspace_bytes to at least": lambda: packed(
+        torch.randn(40, 128), w.buffer, w.scales, None, w.global_scale, w.n, w.k, 33, ws, 100,
+        False),
+}
+out = {}
+for match, call in calls.items():
+    try:
+        call()
+        out[match] = None
+    except Exception as exc:
+        out[match] = [type(exc).__name__, str(exc)]
+print(json.dumps(out))
+"""
+
+
+def test_op_argument_errors_name_the_problem(run_child_json) -> None:
+    """Each bad call raises ValueError naming the problem. In a child interpreter: on a CUDA
+    build of the library, a refused call has been seen to crash the process (docs/cuda.md)."""
+    for match, raised in run_child_json(_ARGUMENT_ERRORS).items():
+        assert raised is not None, f"no error for the case {match!r}"
+        kind, message = raised
+        assert kind == "ValueError" and re.search(match, message), (match, kind, message)
 
 
 # ---------------------------------------------------------------------------------- CUDA
