@@ -22,6 +22,7 @@ limits there), a property of that case, not of the route.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -29,43 +30,11 @@ import pytest
 # cannot be imported twice in one process (pyarrow extension types are registered globally)
 pytest.importorskip("datasets")
 
-ROUTES = '''
-import torch
-
+# the outside project's plugin module: the shared plain-torch attention, then its routes
+ROUTES = Path(__file__).with_name("outside_attention.py").read_text() + '''
 from dflash_kernels import gemm as G
-from pytest_dflash import Route, hits
+from pytest_dflash import Route
 from pytest_dflash.engines.geometry import Geometry
-
-
-class Attention:
-    """attn.d256 contract in plain torch: fp32 math, GQA, bottom-right causal mask."""
-
-    def __init__(self, name, scale_error=1.0):
-        self.name, self.scale_error = name, scale_error
-
-    def _attend(self, q, k, v, out, softmax_scale, causal):
-        tq, hq, _ = q.shape
-        tk, hkv, _ = k.shape
-        rep = hq // hkv
-        qf = q.float().transpose(0, 1)
-        kf = k.float().repeat_interleave(rep, dim=1).transpose(0, 1)
-        vf = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
-        scores = qf @ kf.transpose(1, 2) * (softmax_scale * self.scale_error)
-        if causal:
-            rows = torch.arange(tq).unsqueeze(1) + (tk - tq)
-            scores = scores.masked_fill(torch.arange(tk).unsqueeze(0) > rows, float("-inf"))
-        out.copy_((scores.softmax(-1) @ vf).transpose(0, 1).to(out.dtype))
-
-    def dense(self, q, k, v, out, softmax_scale, causal):
-        hits.record(self.name, "dense")
-        self._attend(q, k, v, out, softmax_scale, causal)
-
-    def paged(self, q, k_cache, v_cache, block_table, kv_len, out, softmax_scale, causal):
-        hits.record(self.name, "paged")
-        blocks = block_table.long()
-        k = k_cache[blocks].flatten(0, 1)[:kv_len]
-        v = v_cache[blocks].flatten(0, 1)[:kv_len]
-        self._attend(q, k, v, out, softmax_scale, causal)
 
 
 class Gemm:
