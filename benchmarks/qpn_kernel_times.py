@@ -1,0 +1,96 @@
+"""Kernel-level GPU times of the QPN routes against fp16 cuBLAS, on the target's layer shapes.
+
+    python benchmarks/qpn_kernel_times.py [M ...]        # default M = 1 8 3296; needs CUDA
+
+Per route and M it prints three figures, because at these sizes (5 to 500 us) they differ:
+
+- ``events``: one call timed with CUDA events after an L2 flush (``pytest_dflash.timing.
+  cuda_timer``, what the gates and ``test_bench_qpn.py`` measure), median of 25;
+- ``queued``: the same with the GPU kept busy (a ~100 us spin kernel) while the host enqueues
+  the call, so host-side dispatch cost cannot show; equal to ``events`` when the call is GPU-bound;
+- the per-kernel device times from CUPTI (``torch.profiler``), averaged over 10 calls: what the
+  bandwidth floor compares to, free of the event and launch overhead (5 to 10 us per call on an
+  H200).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import sys
+import zlib
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dflash_kernels.gemm import QPN2, QPN4_BOUNDED
+from dflash_kernels.nvfp4 import NVFP4Weight, dequantize, quantize
+from dflash_suites.support.gemm import layer_shape
+from pytest_dflash.timing import cuda_timer, l2_flush_buffer
+
+DEVICE = torch.device("cuda")
+ROUNDS = 25
+
+
+def weight(layer: str) -> NVFP4Weight:
+    k, n = layer_shape(layer, "full")
+    gen = torch.Generator().manual_seed(zlib.crc32(layer.encode()))
+    w = quantize(torch.randn(n, k, generator=gen) * 0.05)
+    return NVFP4Weight(w.packed.to(DEVICE), w.scales.to(DEVICE), w.global_scale, w.shape)
+
+
+def queued_us(fn: Callable[[], object]) -> float:
+    flush, times = l2_flush_buffer(DEVICE), []
+    for _ in range(ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        flush.fill_(1)
+        torch.cuda._sleep(200_000)  # the host enqueues fn while this spins
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_us(fn: Callable[[], object], calls: int = 10) -> dict[str, float]:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            per_kernel[event.name[:60]] += event.device_time_total / calls
+    return dict(per_kernel)
+
+
+def main(ms: list[int]) -> None:
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device (torch sees none)")
+    for layer in ("gate_up", "down"):
+        w = weight(layer)
+        qpn2, qpn4 = QPN2.prepare(w), QPN4_BOUNDED.prepare(w)
+        dense = dequantize(w, torch.float16)
+        for m in ms:
+            x = torch.randn(m, w.k, device=DEVICE, dtype=torch.float16)
+            cases = {"fp16 cuBLAS": functools.partial(torch.matmul, x, dense.T)}
+            if m <= 32:
+                cases["qpn2"] = functools.partial(QPN2.linear, x, qpn2)
+            else:
+                cases["qpn4_bounded"] = functools.partial(QPN4_BOUNDED.linear, x, qpn4)
+            for name, fn in cases.items():
+                for _ in range(5):
+                    fn()
+                events = statistics.median(cuda_timer(fn, DEVICE) * 1e6 for _ in range(ROUNDS))
+                kernels = kernel_us(fn)
+                detail = "; ".join(f"{k}: {v:.1f}" for k, v in kernels.items())
+                print(f"{layer} M={m} {name}: events {events:.1f} us, queued "
+                      f"{queued_us(fn):.1f} us, kernels {sum(kernels.values()):.1f} us "
+                      f"({detail})", flush=True)
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or [1, 8, 3296])
