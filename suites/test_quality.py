@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.sm70
 
-# Sandboxed programs scored at once while a GPU or server engine generates (one process each).
+# Sandboxed programs scored at once while the engines generate on a GPU (one process each).
 SANDBOX_WORKERS = min(4, os.cpu_count() or 1)
 
 

@@ -1,6 +1,6 @@
 """The quality gate's scoring path (suites/test_quality.py): completions scored on a pool
 while the engine generates give the very records, in task order, that scoring each at once
-gives (the pool is what a GPU or server run uses; the CPU scores inline)."""
+gives (the pool is what a GPU run uses; the CPU scores inline)."""
 
 from __future__ import annotations
 
