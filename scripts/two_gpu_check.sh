@@ -8,22 +8,28 @@
 #   - both reports have the same shape (keys, node ids, device).
 #
 # Usage, from the repository root:
-#   scripts/two_gpu_check.sh [--profile quick|ci|full] [-- extra pytest arguments]
+#   scripts/two_gpu_check.sh [--profile quick|ci|full] [--part one|two|both] [-- pytest args]
 # Reports and logs go to $OUT (default ./two-gpu-check). Exit status 0 only if every check holds.
+# --part one / --part two run one half (where one call may not run both, e.g. under a time
+# limit per command); the checks run once both reports are in $OUT (exit 3 until then).
 # DFLASH_CHECK_DEVICE (default cuda) is only for a dry run of this script's plumbing elsewhere.
 # The package must be importable; when it is not, it is installed from the checkout (with the
 # wheels in .whl/ if that folder exists, for machines without a package index).
 set -uo pipefail
 
 profile=full
+part=both
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --profile) profile="$2"; shift 2;;
+    --part) part="$2"; shift 2;;
     --) shift; extra=("$@"); break;;
-    *) echo "unknown argument $1; usage: $0 [--profile quick|ci|full] [-- pytest args]"; exit 2;;
+    *) echo "unknown argument $1; usage: $0 [--profile quick|ci|full] [--part one|two|both]" \
+         "[-- pytest args]"; exit 2;;
   esac
 done
+case "$part" in one|two|both) ;; *) echo "--part must be one, two or both, got '$part'"; exit 2;; esac
 out="${OUT:-$PWD/two-gpu-check}"
 device="${DFLASH_CHECK_DEVICE:-cuda}"
 mkdir -p "$out"
@@ -64,8 +70,14 @@ run() {  # name, CUDA_VISIBLE_DEVICES, pytest arguments...
   python3 -c "print($end - $start)" >"$out/$name.wall"
 }
 
-run one-gpu "$uuid0"
-run two-gpu "$uuid0,$uuid1" -n 2
+[ "$part" = two ] || run one-gpu "$uuid0"
+[ "$part" = one ] || run two-gpu "$uuid0,$uuid1" -n 2
+for half in one-gpu two-gpu; do
+  if [ ! -f "$out/$half.json" ] || [ ! -f "$out/$half.wall" ]; then
+    echo "no $half report in $out yet: run the other half with the same OUT, then the checks run"
+    exit 3
+  fi
+done
 
 python3 - "$out" <<'EOF'
 import json
