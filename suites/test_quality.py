@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from contextlib import nullcontext
 
 import pytest
 
@@ -82,9 +83,8 @@ def test_quality_heldout_tasks(dflash_gate):
     # cores with the sandboxed programs (measured on 2 cores: the ci profile's gate took 72 s
     # overlapped against 48 s in turn).
     overlap = dflash_gate.device.type != "cpu"
-    with ThreadPoolExecutor(max_workers=SANDBOX_WORKERS) as pool:
-        pending = [complete_tasks(engine, tasks, policy, pool if overlap else None)
-                   for engine in (baseline, candidate)]
+    with ThreadPoolExecutor(max_workers=SANDBOX_WORKERS) if overlap else nullcontext() as pool:
+        pending = [complete_tasks(engine, tasks, policy, pool) for engine in (baseline, candidate)]
         base, cand = ([f.result() for f in futures] for futures in pending)
     dflash_gate.record_engines(baseline, candidate)
     summary = summarize_quality(base, cand, policy)
