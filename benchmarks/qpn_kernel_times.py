@@ -6,8 +6,9 @@ Per route and M it prints three figures, because at these sizes (5 to 500 us) th
 
 - ``events``: one call timed with CUDA events after an L2 flush (``pytest_dflash.timing.
   cuda_timer``, what the gates and ``test_bench_qpn.py`` measure), median of 25;
-- ``queued``: the same with the GPU kept busy (a ~100 us spin kernel) while the host enqueues
-  the call, so host-side dispatch cost cannot show; equal to ``events`` when the call is GPU-bound;
+- ``queued``: the same with the GPU kept busy (``cuda_timer(..., spin_cycles=)``, a ~100 us spin
+  kernel) while the host enqueues the call, so host-side dispatch cost cannot show; equal to
+  ``events`` when the call is GPU-bound;
 - the per-kernel device times from CUPTI (``torch.profiler``), averaged over 10 calls: what the
   bandwidth floor compares to, free of the event and launch overhead (5 to 10 us per call on an
   H200).
@@ -28,10 +29,11 @@ from torch.profiler import ProfilerActivity, profile
 from dflash_kernels.gemm import QPN2, QPN4_BOUNDED
 from dflash_kernels.nvfp4 import NVFP4Weight, dequantize, quantize
 from dflash_suites.support.gemm import layer_shape
-from pytest_dflash.timing import cuda_timer, l2_flush_buffer
+from pytest_dflash.timing import cuda_timer
 
 DEVICE = torch.device("cuda")
 ROUNDS = 25
+SPIN_CYCLES = 200_000  # about 100 us of GPU spin: longer than the host takes to enqueue a call
 
 
 def weight(layer: str) -> NVFP4Weight:
@@ -39,20 +41,6 @@ def weight(layer: str) -> NVFP4Weight:
     gen = torch.Generator().manual_seed(zlib.crc32(layer.encode()))
     w = quantize(torch.randn(n, k, generator=gen) * 0.05)
     return NVFP4Weight(w.packed.to(DEVICE), w.scales.to(DEVICE), w.global_scale, w.shape)
-
-
-def queued_us(fn: Callable[[], object]) -> float:
-    flush, times = l2_flush_buffer(DEVICE), []
-    for _ in range(ROUNDS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        flush.fill_(1)
-        torch.cuda._sleep(200_000)  # the host enqueues fn while this spins
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def kernel_us(fn: Callable[[], object], calls: int = 10) -> dict[str, float]:
@@ -85,10 +73,12 @@ def main(ms: list[int]) -> None:
                 for _ in range(5):
                     fn()
                 events = statistics.median(cuda_timer(fn, DEVICE) * 1e6 for _ in range(ROUNDS))
+                queued = statistics.median(cuda_timer(fn, DEVICE, spin_cycles=SPIN_CYCLES) * 1e6
+                                           for _ in range(ROUNDS))
                 kernels = kernel_us(fn)
                 detail = "; ".join(f"{k}: {v:.1f}" for k, v in kernels.items())
                 print(f"{layer} M={m} {name}: events {events:.1f} us, queued "
-                      f"{queued_us(fn):.1f} us, kernels {sum(kernels.values()):.1f} us "
+                      f"{queued:.1f} us, kernels {sum(kernels.values()):.1f} us "
                       f"({detail})", flush=True)
 
 

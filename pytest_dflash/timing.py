@@ -57,11 +57,15 @@ def l2_flush_buffer(device: torch.device | str) -> torch.Tensor:
     return _L2_FLUSH[index]
 
 
-def cuda_timer(fn: Callable[[], Any], device: torch.device | str) -> float:
+def cuda_timer(fn: Callable[[], Any], device: torch.device | str, *,
+               spin_cycles: int = 0) -> float:
     """Seconds of GPU time for one call of ``fn`` on ``device``, measured with CUDA events.
 
     The L2 flush is enqueued before the start event, so it is not timed; the host synchronizes
-    once, on the end event, after the call.
+    once, on the end event, after the call. ``spin_cycles`` > 0 adds a spin kernel of that many
+    GPU cycles after the flush, so the host enqueues ``fn`` while the GPU is still busy: the
+    figure is then the GPU's time alone, without the host's dispatch cost (for benchmarks that
+    report both; the gates time calls as the host makes them).
     """
     dev = torch.device(device)
     flush = l2_flush_buffer(dev)
@@ -70,6 +74,8 @@ def cuda_timer(fn: Callable[[], Any], device: torch.device | str) -> float:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         flush.fill_(1)
+        if spin_cycles > 0:
+            torch.cuda._sleep(spin_cycles)
         start.record(stream)
         fn()
         end.record(stream)
