@@ -112,6 +112,18 @@ def test_cuda_timer_flushes_l2_and_times_one_call():
     assert timer_for(device).func is cuda_timer
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA events)")
+def test_cuda_timer_spin_runs_before_the_timed_window():
+    """The spin that keeps the GPU busy while the host enqueues must not be timed itself: a
+    near-empty call behind a 10^7-cycle spin must time far below the spin's own duration."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    spin = cuda_timer(lambda: torch.cuda._sleep(10**7), device)
+    calls = []
+    queued = cuda_timer(lambda: calls.append(torch.empty(1, device=device).fill_(1)), device,
+                        spin_cycles=10**7)
+    assert len(calls) == 1 and 0 < queued < spin / 10, (queued, spin)
+
+
 def test_speed_gate_passes_a_tenfold_cheaper_candidate():
     record = Recorder()
     result = speed_gate(
