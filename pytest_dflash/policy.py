@@ -51,9 +51,18 @@ class Policy:
     quality_contract_margin: int = 0
     quality_stop_rate_margin: float = 0.05
     quality_max_new_tokens: int = 256
+    # completions an engine with generate_many decodes together (continuous batching), both
+    # routes alike: on a GPU a decode step of a small model costs its kernel launches
+    quality_batch: int = 16
     # sandboxed executor limits
     sandbox_timeout_s: float = 10.0
     sandbox_memory_mb: int = 512
+
+    def __post_init__(self) -> None:
+        if self.quality_batch < 1:
+            raise PolicyError(f"quality_batch must be >= 1 (completions decoded together), got "
+                              f"{self.quality_batch}; set [tool.pytest-dflash] quality_batch = 1 "
+                              f"or more")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -22,24 +22,29 @@ pytestmark = pytest.mark.sm70
 SANDBOX_WORKERS = min(4, os.cpu_count() or 1)
 
 
-def complete_tasks(engine, tasks: list[dict], policy, pool: Executor | None) -> list[Future]:
+def complete_tasks(engine, tasks: list[dict], policy, pool: Executor | None) -> tuple[
+        list[Future], str]:
     """One greedy completion per task, each scored in the sandbox and against the output
-    contract; the futures are in task order. With a ``pool`` a completion is scored there while
-    the engine generates the next one (the gate then takes the generation's time, not
-    generation plus sandbox); without one it is scored at once."""
+    contract, and how the engine decoded them; the futures are in task order. With a ``pool``
+    a completion is scored there as soon as it is finished, while the engine decodes the rest
+    (the gate then takes the generation's time, not generation plus sandbox); without one it
+    is scored at once."""
     from dflash_fixtures.tasks import STOP
-    from pytest_dflash.engines import Sampling
+    from pytest_dflash.engines import Sampling, generate_all
 
-    futures = []
-    for task in tasks:
-        gen = engine.generate(task["prompt"], policy.quality_max_new_tokens, STOP, Sampling())
+    futures: list[Future] = [Future() for _ in tasks]
+
+    def finished(index: int, gen) -> None:
+        task = tasks[index]
         if pool is not None:
-            futures.append(pool.submit(score_completion, task, gen, policy))
-            continue
-        done: Future = Future()
-        done.set_result(score_completion(task, gen, policy))
-        futures.append(done)
-    return futures
+            futures[index] = pool.submit(score_completion, task, gen, policy)
+        else:
+            futures[index].set_result(score_completion(task, gen, policy))
+
+    _, how = generate_all(engine, [task["prompt"] for task in tasks],
+                          policy.quality_max_new_tokens, STOP, Sampling(), policy.quality_batch,
+                          on_complete=finished)
+    return futures, how
 
 
 def score_completion(task: dict, gen, policy) -> dict:
@@ -85,7 +90,7 @@ def test_quality_heldout_tasks(dflash_gate):
     overlap = dflash_gate.device.type != "cpu"
     with ThreadPoolExecutor(max_workers=SANDBOX_WORKERS) if overlap else nullcontext() as pool:
         pending = [complete_tasks(engine, tasks, policy, pool) for engine in (baseline, candidate)]
-        base, cand = ([f.result() for f in futures] for futures in pending)
+        base, cand = ([f.result() for f in futures] for futures, _ in pending)
     dflash_gate.record_engines(baseline, candidate)
     summary = summarize_quality(base, cand, policy)
     failing = {r["task_id"]: r["violations"] for r in cand if not r["contract_ok"]}
@@ -93,7 +98,9 @@ def test_quality_heldout_tasks(dflash_gate):
                        pass_at_1_metric_baseline=pass_at_1(base),
                        pass_at_1_metric_candidate=pass_at_1(cand),
                        decoding={"temperature": 0.0, "max_new_tokens":
-                                 policy.quality_max_new_tokens},
+                                 policy.quality_max_new_tokens,
+                                 "generation": {"baseline": pending[0][1],
+                                                "candidate": pending[1][1]}},
                        data=str(dflash_gate.data_dir) if dflash_gate.data_dir else "shipped",
                        contract_violations_candidate=failing,
                        sandbox_isolation=list(isolation))

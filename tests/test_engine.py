@@ -109,6 +109,48 @@ def test_generate_greedy_stop_length_and_seeded_sampling(engine):
     assert len(seeds) > 1
 
 
+def test_generate_many_gives_the_lone_completions_in_prompt_order(engine):
+    from dflash_fixtures.tasks import STOP
+    from pytest_dflash.engines.data import coding_tasks
+
+    prompts = [t["prompt"] for t in coding_tasks("ci")[:5]]
+    before = engine.route_hits().get("gemm.nvfp4.turbomind", 0)
+    lone = [engine.generate(p, 40, STOP) for p in prompts]
+    lone_gemm = engine.route_hits()["gemm.nvfp4.turbomind"] - before
+    finished: list[int] = []
+    many = engine.generate_many(prompts, 40, STOP, batch=3,
+                                on_complete=lambda i, g: finished.append(i))
+    many_gemm = engine.route_hits()["gemm.nvfp4.turbomind"] - before - lone_gemm
+    assert [(g.text, g.token_ids, g.finish_reason) for g in many] == \
+        [(g.text, g.token_ids, g.finish_reason) for g in lone]
+    assert sorted(finished) == list(range(len(prompts)))
+    # decode steps really were shared: the GEMM ran far fewer calls than one sequence at a time
+    assert many_gemm < 0.6 * lone_gemm, (many_gemm, lone_gemm)
+    hot = Sampling(temperature=1.5, top_p=0.95, seed=7)
+    assert [g.token_ids for g in engine.generate_many(["# ", "def f("], 12, sampling=hot,
+                                                      batch=2)] == \
+        [engine.generate(p, 12, sampling=hot).token_ids for p in ("# ", "def f(")]
+    with pytest.raises(EngineError, match="batch >= 1"):
+        engine.generate_many(prompts, 4, batch=0)
+
+
+def test_generate_all_completes_one_at_a_time_without_generate_many(engine):
+    from pytest_dflash.engines import generate_all
+
+    class GenerateOnly:  # an engine of the original protocol: generate, no generate_many
+        def generate(self, *args):
+            return engine.generate(*args)
+
+    finished: list[int] = []
+    gens, how = generate_all(GenerateOnly(), ["def f(", "# "], 8, None, Sampling(), 16,
+                             on_complete=lambda i, g: finished.append(i))
+    assert how == "generate, one completion at a time" and finished == [0, 1]
+    assert [g.token_ids for g in gens] == [engine.generate(p, 8).token_ids
+                                           for p in ("def f(", "# ")]
+    gens, how = generate_all(engine, ["def f(", "# "], 8, None, Sampling(), 16)
+    assert how.startswith("generate_many, up to 16") and len(gens) == 2
+
+
 def test_verify_rows_match_scoring_and_leave_the_state_alone(engine):
     engine.reset_prefix_cache()
     ids = long_ids(120)

@@ -194,6 +194,13 @@ def test_policy_unknown_key_is_a_usage_error(toy: pytest.Pytester) -> None:
     result.stderr.fnmatch_lines(["*unknown threshold 'ppl_tolerence'*ppl_tolerance*"])
 
 
+def test_policy_quality_batch_below_one_is_a_usage_error(toy: pytest.Pytester) -> None:
+    toy.makefile(".toml", pyproject="[tool.pytest-dflash]\nquality_batch = 0\n")
+    result = toy.runpytest(*ROUTE)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*quality_batch must be >= 1*got 0*quality_batch = 1 or more*"])
+
+
 def test_merge_into_a_corrupt_report_is_refused_and_keeps_the_file(toy: pytest.Pytester) -> None:
     (toy.path / "dflash-report.json").write_text('{"schema": "pytest-dflash/report/1", "rou')
     result = toy.runpytest("-m", "sm70", "--dflash-merge", *ROUTE)

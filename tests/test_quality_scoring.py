@@ -23,9 +23,11 @@ def test_pooled_scoring_gives_the_inline_records_in_task_order():
     engine = build({}, "quick")
     tasks = coding_tasks("quick")[:3]
     policy = Policy(quality_max_new_tokens=48)
-    inline = [f.result() for f in complete_tasks(engine, tasks, policy, None)]
+    futures, how = complete_tasks(engine, tasks, policy, None)
+    inline = [f.result() for f in futures]
+    assert how == "generate_many, up to 16 sequences per decode step"
     with ThreadPoolExecutor(max_workers=2) as pool:
-        pooled = [f.result() for f in complete_tasks(engine, tasks, policy, pool)]
+        pooled = [f.result() for f in complete_tasks(engine, tasks, policy, pool)[0]]
     assert [r["task_id"] for r in pooled] == [t["task_id"] for t in tasks]
     assert pooled == inline
     assert all(r["status"] in ("passed", "failed", "timeout", "error") for r in pooled), pooled

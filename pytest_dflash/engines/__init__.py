@@ -12,7 +12,7 @@ offers in ``capabilities``; a gate that needs what is missing stays pending with
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
@@ -147,6 +147,30 @@ class Engine(Protocol):
         """Token ids of ``text``; with ``add_special_tokens`` the model's BOS (if it has one)
         in front, exactly as the engine itself would prefix a prompt. Gates never build BOS
         ids by hand: tokenizers differ."""
+
+
+def generate_all(
+    engine: Any, prompts: list[str], max_new_tokens: int, stop: list[str] | None,
+    sampling: Sampling, batch: int,
+    on_complete: Callable[[int, Generation], None] | None = None,
+) -> tuple[list[Generation], str]:
+    """Every prompt's completion, in prompt order, and how they were decoded (for the report).
+
+    An engine with ``generate_many(prompts, max_new_tokens, stop, sampling, batch=,
+    on_complete=)`` decodes up to ``batch`` sequences per step (the reference engine does); any
+    other engine completes them one at a time through ``generate``. ``on_complete(index,
+    generation)`` is called as each completion finishes either way.
+    """
+    many = getattr(engine, "generate_many", None)
+    if callable(many):
+        gens = many(prompts, max_new_tokens, stop, sampling, batch=batch, on_complete=on_complete)
+        return list(gens), f"generate_many, up to {batch} sequences per decode step"
+    gens = []
+    for index, prompt in enumerate(prompts):
+        gens.append(engine.generate(prompt, max_new_tokens, stop, sampling))
+        if on_complete is not None:
+            on_complete(index, gens[-1])
+    return gens, "generate, one completion at a time"
 
 
 def close(engine: Any) -> None:

@@ -15,10 +15,10 @@ import functools
 import hashlib
 import math
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Iterator, Mapping
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +143,41 @@ class _State:
                       None if self.last_logits is None else self.last_logits.clone())
 
 
+def _stacked(states: list[_State], name: str, layer: int) -> torch.Tensor | None:
+    """The conv or SSM state of ``layer`` for a batch: each sequence's [1, ...] state, stacked
+    on the batch dimension (a single sequence's own tensor, None before its first token)."""
+    parts = [getattr(state, name)[layer] for state in states]
+    if len(parts) == 1:
+        return parts[0]
+    if any(part is None for part in parts):
+        raise EngineError("a batched decode step needs every sequence prefilled first")
+    return torch.cat(parts)
+
+
+@dataclass
+class _Sequence:
+    """One prompt being completed: its state and the tokens generated so far."""
+
+    index: int
+    state: _State
+    generator: torch.Generator
+    out: list[int] = field(default_factory=list)
+
+    def take(self, tok: int, stop: list[str], max_new_tokens: int) -> Generation | None:
+        """Append the picked token; the finished Generation if it ends the completion (EOS, a
+        stop string, the length limit), else None: the token then goes through the model."""
+        if tok == EOS:
+            return Generation(decode(self.out), self.out, "stop")
+        self.out.append(tok)
+        text = decode(self.out)
+        hit = [text.index(s) for s in stop if s in text]
+        if hit:
+            return Generation(text[: min(hit)], self.out, "stop")
+        if len(self.out) >= max_new_tokens:
+            return Generation(text, self.out, "length")
+        return None
+
+
 class ReferenceEngine:
     """The reference engine: see the module docstring. Build it with :func:`build`."""
 
@@ -209,52 +244,66 @@ class ReferenceEngine:
                  commit: bool = True) -> torch.Tensor:
         """Run ``ids`` on top of ``state``; logits [T or 1, V]. ``commit=False`` (verify) leaves
         the SSM/conv state and the token list untouched; KV rows past the prefix are scratch."""
+        return self._forward_rows([state], [ids], all_logits, commit)[0]
+
+    def _forward_rows(self, states: list[_State], ids: list[list[int]], all_logits: bool,
+                      commit: bool = True) -> list[torch.Tensor]:
+        """:meth:`_forward` for several sequences at once (a decode step of a batch: one token
+        each), or for one. The norms, projections, SSM and GEMM run on all rows together; each
+        sequence's attention runs on its own paged KV cache. Per sequence: logits [T or 1, V]."""
         cfg = self.cfg
-        start = len(state.tokens)
-        t_len = len(ids)
-        x = self.w["embed.weight"][torch.tensor(ids, device=self.device)]
+        if len(states) > 1 and any(len(row) != 1 for row in ids):
+            raise EngineError("a batched forward takes exactly one token per sequence")
+        starts = [len(state.tokens) for state in states]
+        t_len = len(ids[0])
+        x = self.w["embed.weight"][torch.tensor(ids, device=self.device)]  # [B, T, d]
         recurrent = t_len <= RECURRENT_MAX_TOKENS
         for i in range(cfg.n_layers):
             p = self.layer_params[i]
             h = rms_norm(x, self.w[f"layers.{i}.norm1.weight"], cfg.norm_eps)
             if cfg.is_attention(i):
-                y = self._attention(state.kv[i], p, h, start)
+                y = self._attention([state.kv[i] for state in states], p, h, starts)
             else:
-                y, conv, ssm = ssm_mixer(p, h[None], cfg, state.conv[i], state.ssm[i],
-                                         self.state_dtype, recurrent=recurrent)
-                y = y[0]
+                y, conv, ssm = ssm_mixer(p, h, cfg, _stacked(states, "conv", i),
+                                         _stacked(states, "ssm", i), self.state_dtype,
+                                         recurrent=recurrent)
                 if commit:
-                    state.conv[i], state.ssm[i] = conv, ssm
+                    for b, state in enumerate(states):
+                        state.conv[i], state.ssm[i] = conv[b : b + 1], ssm[b : b + 1]
             x = x + y
             h = rms_norm(x, self.w[f"layers.{i}.norm2.weight"], cfg.norm_eps)
-            x = x + self._mlp(i, h)
+            x = x + self._mlp(i, h.flatten(0, 1)).view_as(x)
         if not all_logits:
-            x = x[-1:]
+            x = x[:, -1:]
         logits = F.linear(rms_norm(x, self.w["norm.weight"], cfg.norm_eps), self.w["head.weight"])
         if commit:
-            state.tokens.extend(ids)
-            state.last_logits = logits[-1].clone()
-        return logits
+            for b, state in enumerate(states):
+                state.tokens.extend(ids[b])
+                state.last_logits = logits[b, -1].clone()
+        return list(logits.unbind(0))
 
-    def _attention(self, kv: _KV, p: dict[str, torch.Tensor], h: torch.Tensor,
-                   start: int) -> torch.Tensor:
+    def _attention(self, kvs: list[_KV], p: dict[str, torch.Tensor], h: torch.Tensor,
+                   starts: list[int]) -> torch.Tensor:
+        """Attention of rows h [B, T, d], sequence b on its own cache ``kvs[b]`` after
+        ``starts[b]`` tokens: the route's ops take one sequence per call."""
         cfg = self.cfg
-        q, k, v = attn_qkv(p, h[None], cfg)
-        q, k, v = (t[0].to(self.dtype).contiguous() for t in (q, k, v))
+        q, k, v = attn_qkv(p, h, cfg)
+        q, k, v = (t.to(self.dtype) for t in (q, k, v))
         out = torch.empty_like(q)
         scale = 1.0 / math.sqrt(cfg.attn_head_dim)
-        end = start + q.shape[0]
-        kv.ensure(end + MAX_VERIFY_ROWS)
-        kv.write(start, k, v)
-        if start == 0:
-            self.attn.dense(q, k, v, out, scale, True)
+        for b, (kv, start) in enumerate(zip(kvs, starts, strict=True)):
+            qb, kb, vb = (t[b].contiguous() for t in (q, k, v))
+            end = start + qb.shape[0]
+            kv.ensure(end + MAX_VERIFY_ROWS)
+            kv.write(start, kb, vb)
+            op = "dense" if start == 0 else "paged"
+            if start == 0:
+                self.attn.dense(qb, kb, vb, out[b], scale, True)
+            else:
+                self.attn.paged(qb, kv.k, kv.v, kv.table(end), end, out[b], scale, True)
             self._dispatch[self.attn_route] += 1
-            self._dispatch[f"{self.attn_route}:dense"] += 1
-        else:
-            self.attn.paged(q, kv.k, kv.v, kv.table(end), end, out, scale, True)
-            self._dispatch[self.attn_route] += 1
-            self._dispatch[f"{self.attn_route}:paged"] += 1
-        return F.linear(out.float().flatten(1), p["o.weight"])
+            self._dispatch[f"{self.attn_route}:{op}"] += 1
+        return F.linear(out.float().flatten(2), p["o.weight"])
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         m = h.shape[0]
@@ -354,6 +403,30 @@ class ReferenceEngine:
                      sampling: Sampling | None = None) -> Generation:
         """Complete a prompt given as token ids (used as given: no BOS is added)."""
         ids = self._check_ids(prompt_ids, "generate")
+        return self._generate([ids], max_new_tokens, stop, sampling, 1, None)[0]
+
+    def generate_many(self, prompts: list[str], max_new_tokens: int,
+                      stop: list[str] | None = None, sampling: Sampling | None = None,
+                      batch: int = 16,
+                      on_complete: Callable[[int, Generation], None] | None = None,
+                      ) -> list[Generation]:
+        """:meth:`generate` for every prompt, decoding up to ``batch`` sequences per step
+        (continuous batching: a finished sequence's slot takes the next prompt), as a server
+        under load does. On a GPU one decode step of this small model is kernel launches, not
+        arithmetic, so a batch of 16 costs about what one sequence costs. Each sequence is
+        prefilled alone and attends over its own cache; only the rows of the other layers are
+        shared, so a row's logits can differ from a lone run's in the last bits (a different
+        GEMM shape), never in what it attends to. ``on_complete(index, generation)`` is called
+        as each completion finishes, so its scoring can start while the rest decode."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise EngineError(f"generate_many needs batch >= 1 sequences per step, got {batch!r}")
+        ids = [self._check_ids([BOS, *encode(p)], f"generate prompt {i}")
+               for i, p in enumerate(prompts)]
+        return self._generate(ids, max_new_tokens, stop, sampling, batch, on_complete)
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int, stop: list[str] | None,
+                  sampling: Sampling | None, batch: int,
+                  on_complete: Callable[[int, Generation], None] | None) -> list[Generation]:
         if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampling = sampling or Sampling()
@@ -361,23 +434,31 @@ class ReferenceEngine:
             raise EngineError(f"sampling needs temperature >= 0 and 0 < top_p <= 1, got "
                               f"{sampling.temperature} and {sampling.top_p}")
         stop = [s for s in (stop or []) if s]
-        gen = torch.Generator().manual_seed(sampling.seed)
+        done: list[Generation | None] = [None] * len(prompts)
+        waiting = deque(enumerate(prompts))
+        active: list[_Sequence] = []
         with self._tracked():
-            self.prefill(ids)
-            state = self._current.clone()
-            out: list[int] = []
-            while True:
-                tok = self._pick(state.last_logits, sampling, gen)
-                if tok == EOS:
-                    return Generation(decode(out), out, "stop")
-                out.append(tok)
-                text = decode(out)
-                hit = [text.index(s) for s in stop if s in text]
-                if hit:
-                    return Generation(text[: min(hit)], out, "stop")
-                if len(out) >= max_new_tokens:
-                    return Generation(text, out, "length")
-                self._forward(state, [tok], all_logits=False)
+            while waiting or active:
+                while waiting and len(active) < batch:
+                    index, ids = waiting.popleft()
+                    self.prefill(ids)
+                    active.append(_Sequence(index, self._current.clone(),
+                                            torch.Generator().manual_seed(sampling.seed)))
+                picked = self._pick_rows(active, sampling)
+                going: list[_Sequence] = []
+                for seq, tok in zip(active, picked, strict=True):
+                    finished = seq.take(tok, stop, max_new_tokens)
+                    if finished is None:
+                        going.append(seq)
+                        continue
+                    done[seq.index] = finished
+                    if on_complete is not None:
+                        on_complete(seq.index, finished)
+                if going:
+                    self._forward_rows([seq.state for seq in going],
+                                       [[seq.out[-1]] for seq in going], all_logits=False)
+                active = going
+        return [gen for gen in done if gen is not None]
 
     def verify(self, draft_ids: list[int]) -> torch.Tensor:
         """Logits [M, V] of M <= 8 draft tokens on top of the last prefill, state unchanged."""
@@ -400,10 +481,17 @@ class ReferenceEngine:
         return {**dict(self._dispatch), **dict(self._kernel)}
 
     # ----------------------------------------------------------------------------- helpers
-    def _pick(self, logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:
-        logits = logits.float().cpu()
+    def _pick_rows(self, active: list[_Sequence], sampling: Sampling) -> list[int]:
+        """The next token of every active sequence: greedy picks in one device-to-host copy,
+        sampled ones each from its own seeded generator (as a lone run would)."""
         if sampling.temperature == 0:
-            return int(logits.argmax())
+            rows = torch.stack([seq.state.last_logits for seq in active])
+            return rows.float().argmax(-1).cpu().tolist()
+        return [self._sample(seq.state.last_logits, sampling, seq.generator) for seq in active]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:
+        logits = logits.float().cpu()
         probs = torch.softmax(logits / sampling.temperature, dim=-1)
         if sampling.top_p < 1:
             sorted_p, order = probs.sort(descending=True)
