@@ -18,8 +18,9 @@ import pytest
 
 pytestmark = pytest.mark.sm70
 
-# Sandboxed programs scored at once while the engines generate on a GPU (one process each).
-SANDBOX_WORKERS = min(4, os.cpu_count() or 1)
+# Sandboxed programs scored at once while the engines generate on a GPU (one process each):
+# half the cores, leaving the rest to the engine's host thread and the interpreter.
+SANDBOX_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def complete_tasks(engine, tasks: list[dict], policy, pool: Executor | None) -> tuple[

@@ -120,6 +120,8 @@ def test_gather_pages_refuses_out_of_range_blocks():
     k_cache = torch.zeros(4, 16, 1, 256)
     with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
         gather_pages(k_cache, k_cache, torch.tensor([0, 4], dtype=torch.int32), 20)
+    with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+        gather_pages(k_cache, k_cache, torch.tensor([-1, 0], dtype=torch.int32), 20)
     with pytest.raises(ValueError, match="kv_len"):
         gather_pages(k_cache, k_cache, torch.tensor([0], dtype=torch.int32), 17)
 

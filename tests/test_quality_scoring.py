@@ -31,3 +31,4 @@ def test_pooled_scoring_gives_the_inline_records_in_task_order():
     assert [r["task_id"] for r in pooled] == [t["task_id"] for t in tasks]
     assert pooled == inline
     assert all(r["status"] in ("passed", "failed", "timeout", "error") for r in pooled), pooled
+

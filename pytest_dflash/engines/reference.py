@@ -98,6 +98,7 @@ class _KV:
 
     k: torch.Tensor  # [num_blocks, block_size, Hkv, D]
     v: torch.Tensor
+    pages: torch.Tensor | None = None  # block table of the whole capacity (built on first use)
 
     def ensure(self, tokens: int) -> None:
         need = 2 * math.ceil(max(1, math.ceil(tokens / KV_BLOCK_SIZE)) / 2)  # even capacity
@@ -110,14 +111,24 @@ class _KV:
                 setattr(self, name, new)
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if k.shape[0] == 1:  # a decode step: one row, addressed from the host (no index math)
+            block, slot = divmod(start, KV_BLOCK_SIZE)
+            self.k[block ^ 1, slot] = k[0]
+            self.v[block ^ 1, slot] = v[0]
+            return
         pos = torch.arange(start, start + k.shape[0], device=k.device)
         phys = (pos // KV_BLOCK_SIZE) ^ 1
         self.k[phys, pos % KV_BLOCK_SIZE] = k.to(self.k.dtype)
         self.v[phys, pos % KV_BLOCK_SIZE] = v.to(self.v.dtype)
 
     def table(self, tokens: int) -> torch.Tensor:
+        """Block table of the first ``tokens`` positions: a view of one table per capacity, since
+        a decoding engine asks for it every step."""
         n = max(1, math.ceil(tokens / KV_BLOCK_SIZE))
-        return (torch.arange(n, dtype=torch.int32, device=self.k.device) ^ 1).contiguous()
+        if self.pages is None or self.pages.shape[0] != self.k.shape[0]:
+            self.pages = torch.arange(self.k.shape[0], dtype=torch.int32,
+                                      device=self.k.device) ^ 1
+        return self.pages[:n]
 
     def clone(self, tokens: int) -> _KV:
         n = 2 * math.ceil(max(1, math.ceil(tokens / KV_BLOCK_SIZE)) / 2)
