@@ -53,7 +53,7 @@ class Policy:
     quality_max_new_tokens: int = 256
     # completions an engine with generate_many decodes together (continuous batching), both
     # routes alike: on a GPU a decode step of a small model costs its kernel launches
-    quality_batch: int = 16
+    quality_batch: int = 32
     # sandboxed executor limits
     sandbox_timeout_s: float = 10.0
     sandbox_memory_mb: int = 512

@@ -418,13 +418,14 @@ class ReferenceEngine:
 
     def generate_many(self, prompts: list[str], max_new_tokens: int,
                       stop: list[str] | None = None, sampling: Sampling | None = None,
-                      batch: int = 16,
+                      batch: int = 32,
                       on_complete: Callable[[int, Generation], None] | None = None,
                       ) -> list[Generation]:
         """:meth:`generate` for every prompt, decoding up to ``batch`` sequences per step
         (continuous batching: a finished sequence's slot takes the next prompt), as a server
         under load does. On a GPU one decode step of this small model is kernel launches, not
-        arithmetic, so a batch of 16 costs about what one sequence costs. Each sequence is
+        arithmetic: on an H200 the full profile's 300 tasks took 1.9 ms per token at a batch of
+        16 and 1.3 at 32, against 12 ms one sequence at a time. Each sequence is
         prefilled alone and attends over its own cache; only the rows of the other layers are
         shared, so a row's logits can differ from a lone run's in the last bits (a different
         GEMM shape), never in what it attends to. ``on_complete(index, generation)`` is called
