@@ -31,6 +31,7 @@ from pytest_dflash.sandbox import ALLOW_UNJAILED_ENV
 from pytest_dflash.selftest import summary as selftest_summary
 from pytest_dflash.selftest.catalogue import original_of, verdict_routes
 from pytest_dflash.table import render
+from pytest_dflash.verdict import INTERRUPTED, INTERRUPTED_MESSAGE, PASSED
 from pytest_dflash.vocabulary import EXCLUSIVE_KINDS, UnknownNameError, check_kind
 
 STATE = pytest.StashKey["DflashState"]()
@@ -152,13 +153,15 @@ class EvidenceCollector:
     @pytest.hookimpl(tryfirst=True)  # before junitxml reads the flattened properties
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Fold each phase of a gate test into its entry: durations add up, a skip marks it
-        skipped, a failure in setup/teardown is an error and in the call a failure."""
+        skipped, a failure in setup/teardown is an error and in the call a failure. A test is
+        ``interrupted`` until its call phase reports: a session stopped (Ctrl-C, a time limit)
+        while the test ran leaves it so, and its gate pending, never passed."""
         bound = binding(report)
         if bound is None:
             return
         test = self.tests.setdefault(report.nodeid, {
-            "nodeid": report.nodeid, "outcome": "passed", "duration_s": 0.0, "message": "",
-            "measurements": {}, "gpu": None})
+            "nodeid": report.nodeid, "outcome": INTERRUPTED, "duration_s": 0.0,
+            "message": INTERRUPTED_MESSAGE, "measurements": {}, "gpu": None})
         test["route"], test["kind"] = bound["route"], bound["kind"]
         test["duration_s"] = round(test["duration_s"] + report.duration, 6)
         test["measurements"].update(bound["measurements"])
@@ -168,8 +171,8 @@ class EvidenceCollector:
             # are expected to fail their gate); only its effect on the exit status differs
             test["outcome"] = "failed" if report.when == "call" else "error"
             test["message"] = _first_line(report)
-        elif report.skipped and test["outcome"] == "passed":
-            test["outcome"] = "skipped"
+        elif report.skipped and test["outcome"] in (INTERRUPTED, PASSED):
+            test["outcome"], test["message"] = "skipped", ""
             if isinstance(report.longrepr, tuple):
                 test["message"] = str(report.longrepr[2]).removeprefix("Skipped: ")
         elif report.failed:
@@ -178,6 +181,8 @@ class EvidenceCollector:
             expected = "xfail" in report.keywords
             test["outcome"] = "failed" if report.when == "call" and not expected else "error"
             test["message"] = _first_line(report)
+        elif report.when == "call" and test["outcome"] == INTERRUPTED:
+            test["outcome"], test["message"] = PASSED, ""
         junit.flatten(report, PROPERTY, {**bound, "measurements": test["measurements"]})
 
     @pytest.hookimpl(tryfirst=True)

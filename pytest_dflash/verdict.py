@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from pytest_dflash.policy import Policy
 
 PASSED, FAILED, PENDING = "passed", "failed", "pending"
+# a test whose call phase never reported: the session stopped while it ran
+INTERRUPTED = "interrupted"
+INTERRUPTED_MESSAGE = "did not finish: the session stopped while it ran"
 ACCEPT, REJECT = "accept", "reject"
 FAILING_OUTCOMES = frozenset({"failed", "error"})
 
@@ -22,7 +25,7 @@ FAILING_OUTCOMES = frozenset({"failed", "error"})
 def gate_status(tests: Iterable[Mapping[str, Any]]) -> str:
     """failed if any test failed; passed only if tests ran and every one passed; else pending.
 
-    A skipped test keeps its gate pending: a skip never counts as a pass.
+    A skipped or interrupted test keeps its gate pending: neither counts as a pass.
     """
     outcomes = [t["outcome"] for t in tests]
     if any(o in FAILING_OUTCOMES for o in outcomes):
@@ -83,8 +86,11 @@ def route_verdict(
             if verdict == ACCEPT:
                 verdict = PENDING
             skipped = [t for t in gate["tests"] if t["outcome"] == "skipped"]
+            stopped = [t for t in gate["tests"] if t["outcome"] == INTERRUPTED]
             if skipped:
                 reasons.append(f"{kind} pending: skipped ({skipped[0].get('message', '')})")
+            elif stopped:
+                reasons.append(f"{kind} pending: {stopped[0]['nodeid']} {INTERRUPTED_MESSAGE}")
             else:
                 reasons.append(f"{kind} pending: did not run in this evidence")
     return verdict, reasons

@@ -158,7 +158,14 @@ def test_report_is_written_when_interrupted(toy: pytest.Pytester) -> None:
     assert result.ret == pytest.ExitCode.INTERRUPTED
     report = _report(toy)
     assert report["session"]["interrupted"] is True
-    assert report["routes"]["toy.add.fast"]["gates"]["parity"]["status"] == "passed"
+    entry = report["routes"]["toy.add.fast"]
+    assert entry["gates"]["parity"]["status"] == "passed"
+    # the test the session stopped in had passed its setup only: never a pass
+    stopped = entry["gates"]["speed"]
+    assert stopped["status"] == "pending"
+    assert [t["outcome"] for t in stopped["tests"]] == ["interrupted"]
+    assert entry["verdict"] == "pending"
+    assert any("did not finish: the session stopped while it ran" in r for r in entry["reasons"])
 
 
 def test_unrelated_run_writes_no_report(toy: pytest.Pytester) -> None:
