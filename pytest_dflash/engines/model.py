@@ -98,7 +98,8 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
 
 
 def _flush(s: torch.Tensor) -> torch.Tensor:
-    return torch.where(s.abs() < _TINY, 0.0, s)
+    """|s| <= _TINY becomes 0, in one kernel: it runs once per SSM chunk or token."""
+    return F.hardshrink(s, _TINY)
 
 
 def gdr_recurrent(
@@ -113,13 +114,15 @@ def gdr_recurrent(
     The state is rounded to ``state_dtype`` after every token, as a decoder storing it would.
     """
     s = state.float()
+    # per-token factors for all tokens at once: the loop keeps only the state recurrence
+    qf, kf, vf = q.float(), k.float(), v.float()
+    decay = _exp(g.float())[..., None, None]  # [B, T, H, 1, 1]
+    write = beta.float()[..., None]  # [B, T, H, 1]
     outs = []
     for t in range(q.shape[1]):
-        qt, kt, vt = q[:, t].float(), k[:, t].float(), v[:, t].float()
-        a = _exp(g[:, t].float())[..., None, None]
-        b = beta[:, t].float()[..., None]
-        s = a * s
-        u = b * (vt - torch.einsum("bhkv,bhk->bhv", s, kt))
+        qt, kt = qf[:, t], kf[:, t]
+        s = decay[:, t] * s
+        u = write[:, t] * (vf[:, t] - torch.einsum("bhkv,bhk->bhv", s, kt))
         s = s + kt[..., :, None] * u[..., None, :]
         s = _flush(s.to(state_dtype).float())
         outs.append(torch.einsum("bhkv,bhk->bhv", s, qt))
@@ -173,18 +176,28 @@ def gdr_chunked(
     q_decay = qb * _exp(gcum)[..., None]  # Q e^G
     k_tail = (kb * _exp(gcum[..., -1:] - gcum)[..., None]).transpose(-1, -2)  # (K e^(G_C-G_j))^T
     a_end = _exp(gcum[..., -1])[..., None, None]  # e^(G_C)
-    s = state.float()
+
+    def by_chunk(x: torch.Tensor) -> torch.Tensor:  # [B, H, n, ...] -> contiguous [n, B*H, ...]
+        return x.movedim(2, 0).reshape(n, bsz * heads, *x.shape[3:])
+
+    # chunk-major copies, so that each step's operands are plain [B*H, ...] views and each
+    # update below is one fused GEMM launch: U_i = u_base_i - W_i S, S' = a_i S + K_i^T U_i
+    u_base, w, k_tail, a_end = (by_chunk(x) for x in (u_base, w, k_tail, a_end))
+    s = state.float().reshape(bsz * heads, dk, dv)
     starts, us = [], []
     for i in range(n):
-        u = u_base[:, :, i] - w[:, :, i] @ s
+        u = torch.baddbmm(u_base[i], w[i], s, alpha=-1)
         starts.append(s)
         us.append(u)
-        s = a_end[:, :, i] * s + k_tail[:, :, i] @ u
-        s = _flush(s.to(state_dtype).float())
+        s = _flush(torch.baddbmm(a_end[i] * s, k_tail[i], u).to(state_dtype).float())
+
+    def by_head(xs: list[torch.Tensor]) -> torch.Tensor:  # n x [B*H, ...] -> [B, H, n, ...]
+        return torch.stack(xs, dim=1).view(bsz, heads, n, *xs[0].shape[1:])
+
     # O = (Q e^G) S0 + (Q K^T * decay, lower) U, for every chunk in one batched product each
-    o = q_decay @ torch.stack(starts, dim=2) + qk @ torch.stack(us, dim=2)  # [B, H, n, C, dv]
+    o = q_decay @ by_head(starts) + qk @ by_head(us)  # [B, H, n, C, dv]
     o = o.permute(0, 2, 3, 1, 4).reshape(bsz, n * chunk, heads, dv)[:, :t_len]
-    return o.to(out_dtype), s.to(state_dtype)
+    return o.to(out_dtype), s.to(state_dtype).view(bsz, heads, dk, dv)
 
 
 # --------------------------------------------------------------------------- SSM mixer
