@@ -106,6 +106,26 @@ def test_generate_matches_in_process_with_stops_beyond_the_api_limit(pool, local
         assert got.token_ids[: len(local.encode(got.text))] == local.encode(got.text)
 
 
+def test_generate_many_sends_concurrent_requests_and_keeps_prompt_order(pool, local):
+    import threading
+
+    from dflash_fixtures.tasks import STOP
+    from pytest_dflash.engines.data import coding_tasks
+
+    server = pool.engine(pool.registry.engine_selection())
+    prompts = [task["prompt"] for task in coding_tasks("quick")[:3]]
+    finished: list[tuple[int, str]] = []
+    got = server.generate_many(prompts, 32, STOP, Sampling(), batch=3,
+                               on_complete=lambda i, g: finished.append(
+                                   (i, threading.current_thread().name)))
+    want = [local.generate(p, 32, STOP, Sampling()) for p in prompts]
+    assert [(g.text, g.finish_reason) for g in got] == [(w.text, w.finish_reason) for w in want]
+    assert sorted(i for i, _ in finished) == [0, 1, 2]
+    assert all(name != threading.main_thread().name for _, name in finished), finished
+    with pytest.raises(ValueError, match="batch >= 1"):
+        server.generate_many(prompts, 8, batch=0)
+
+
 def test_prefill_times_the_first_token_and_verify_is_declared_missing(pool, local):
     server = pool.engine(pool.registry.engine_selection())
     ids = local.encode(TEXT, add_special_tokens=True)

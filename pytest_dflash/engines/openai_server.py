@@ -33,7 +33,8 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -526,6 +527,31 @@ class ServerEngine:
         if any(not isinstance(v, (int, float)) for v in scores):
             raise self.pool.describe(self.selection, "echoed a null log-prob inside the prompt")
         return [float(v) for v in scores]
+
+    def generate_many(self, prompts: list[str], max_new_tokens: int,
+                      stop: list[str] | None = None, sampling: Sampling | None = None,
+                      batch: int = 32,
+                      on_complete: Callable[[int, Generation], None] | None = None,
+                      ) -> list[Generation]:
+        """:meth:`generate` for every prompt, with up to ``batch`` requests in flight at once,
+        as lm-evaluation-harness's ``num_concurrent`` does: a serving engine batches concurrent
+        requests itself (vLLM's continuous batching), ``pytest-dflash serve`` answers them in
+        turn. Each completion is what :meth:`generate` returns for its prompt, in prompt order;
+        ``on_complete(index, generation)`` runs in the thread that received it."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"generate_many needs batch >= 1 requests in flight, got {batch!r}")
+        if not prompts:
+            return []
+        self._connect()  # the server is up and checked before the threads share its client
+
+        def one(index: int) -> Generation:
+            gen = self.generate(prompts[index], max_new_tokens, stop, sampling)
+            if on_complete is not None:
+                on_complete(index, gen)
+            return gen
+
+        with ThreadPoolExecutor(max_workers=min(batch, len(prompts))) as pool:
+            return list(pool.map(one, range(len(prompts))))
 
     def generate(self, prompt: str, max_new_tokens: int, stop: list[str] | None = None,
                  sampling: Sampling | None = None) -> Generation:
