@@ -1,0 +1,47 @@
+"""The documentation cites only what the repository holds: every relative link and every
+backticked repository path in README.md and docs/*.md names a file or folder that exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TOP = ("pytest_dflash", "kernels", "suites", "fixtures", "docs", "tests", "scripts",
+       "benchmarks", ".ci")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+# a backticked path under one of the top folders, e.g. `kernels/csrc/qpn_gemm.cpp`
+PATH = re.compile(r"`((?:" + "|".join(re.escape(t) for t in TOP) + r")/[\w./-]*)")
+
+
+def _targets(doc: Path) -> list[tuple[str, Path]]:
+    text = doc.read_text(encoding="utf-8")
+    found = []
+    for link in LINK.findall(text):
+        if re.match(r"^[a-z]+:", link) or link.startswith("#"):
+            continue  # a URL or an anchor in the same page
+        found.append((link, doc.parent / link.split("#")[0]))
+    for path in PATH.findall(text):
+        found.append((path, ROOT / path.rstrip(".")))
+    return found
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_every_cited_file_exists(doc: Path) -> None:
+    missing = [cited for cited, path in _targets(doc) if not path.exists()]
+    assert not missing, f"{doc.relative_to(ROOT)} cites what the repository does not hold: " \
+                        f"{missing}"
+
+
+def test_architecture_lists_existing_modules() -> None:
+    """Every ``name.py`` with a folder in the module list exists under its package."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^\s+((?:engines|selftest|metrics|csrc|support)/[\w/]+\.\w+)", text,
+                        flags=re.MULTILINE)
+    assert listed, "the module list names no file inside a sub-folder"
+    roots = [ROOT / "pytest_dflash", ROOT / "kernels", ROOT / "suites"]
+    missing = [name for name in listed if not any((r / name).exists() for r in roots)]
+    assert not missing, f"docs/architecture.md lists modules that do not exist: {missing}"
