@@ -11,6 +11,7 @@ completions, truncated), so a reject can be diagnosed from the report alone.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import nullcontext
 
@@ -24,9 +25,10 @@ SANDBOX_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def complete_tasks(engine, tasks: list[dict], policy, pool: Executor | None) -> tuple[
-        list[Future], str]:
+        list[Future], dict]:
     """One greedy completion per task, each scored in the sandbox and against the output
-    contract, and how the engine decoded them; the futures are in task order. With a ``pool``
+    contract, and how the engine decoded them (``how``, and the ``seconds`` until the last
+    completion); the futures are in task order. With a ``pool``
     a completion is scored there as soon as it is finished, while the engine decodes the rest
     (the gate then takes the generation's time, not generation plus sandbox); without one it
     is scored at once."""
@@ -42,10 +44,11 @@ def complete_tasks(engine, tasks: list[dict], policy, pool: Executor | None) -> 
         else:
             futures[index].set_result(score_completion(task, gen, policy))
 
+    start = time.perf_counter()
     _, how = generate_all(engine, [task["prompt"] for task in tasks],
                           policy.quality_max_new_tokens, STOP, Sampling(), policy.quality_batch,
                           on_complete=finished)
-    return futures, how
+    return futures, {"how": how, "seconds": round(time.perf_counter() - start, 3)}
 
 
 def score_completion(task: dict, gen, policy) -> dict:

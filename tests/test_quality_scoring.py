@@ -23,9 +23,10 @@ def test_pooled_scoring_gives_the_inline_records_in_task_order():
     engine = build({}, "quick")
     tasks = coding_tasks("quick")[:3]
     policy = Policy(quality_max_new_tokens=48)
-    futures, how = complete_tasks(engine, tasks, policy, None)
+    futures, generation = complete_tasks(engine, tasks, policy, None)
     inline = [f.result() for f in futures]
-    assert how == "generate_many, up to 32 sequences per decode step"
+    assert generation["how"] == "generate_many, up to 32 sequences per decode step"
+    assert generation["seconds"] > 0
     with ThreadPoolExecutor(max_workers=2) as pool:
         pooled = [f.result() for f in complete_tasks(engine, tasks, policy, pool)[0]]
     assert [r["task_id"] for r in pooled] == [t["task_id"] for t in tasks]
