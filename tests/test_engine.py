@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pytest_dflash import RouteRegistry
 from pytest_dflash.engines import Engine, Sampling
 from pytest_dflash.engines import model as M
 from pytest_dflash.engines.reference import EngineError, build, default_model_dir
@@ -61,6 +62,36 @@ def test_score_matches_training_model_across_chunks(engine, dense_model):
     assert delta["prefill.geometry.fp32_q3296"] == 2
     assert delta["attn.d256.sdpa:dense"] == 2 and delta["attn.d256.sdpa:paged"] == 2
     assert delta["gemm.nvfp4.turbomind/dequant"] == 2 * 2 * 8  # kernel's own hit records
+
+
+def test_geometry_routes_are_checked_against_the_family_contract():
+    """Any object with a torch.dtype ``state_dtype`` and ``chunk(profile)`` is a geometry (an
+    outside project's, or the shipped class from a re-imported module); anything else is
+    refused by name."""
+    from pytest_dflash import Route
+    from pytest_dflash.shipped import SHIPPED_ROUTES
+
+    class OwnGeometry:  # not pytest_dflash.engines.geometry.Geometry
+        name, state_dtype = "prefill.geometry.own", torch.float32
+
+        def chunk(self, profile: str) -> int:
+            return 100
+
+    class NoChunk:
+        name, state_dtype = "prefill.geometry.nochunk", torch.float32
+
+    registry = RouteRegistry()
+    for route in SHIPPED_ROUTES:
+        registry.register(route)
+    for name, impl in (("prefill.geometry.own", OwnGeometry()),
+                       ("prefill.geometry.nochunk", NoChunk())):
+        registry.register(Route(name, "prefill.geometry", "candidate",
+                                baseline="prefill.geometry.fp32_q3296", impl=impl))
+    own = build({"prefill.geometry": "prefill.geometry.own"}, "quick", registry=registry)
+    assert own.chunk == 100 and own.prefill(long_ids(250)).chunks == 3
+    with pytest.raises(EngineError, match=r"prefill\.geometry\.nochunk does not offer the "
+                                          r"prefill\.geometry contract"):
+        build({"prefill.geometry": "prefill.geometry.nochunk"}, "quick", registry=registry)
 
 
 def test_geometries_agree_and_fp16_state_is_a_different_route():

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from pytest_dflash import hits
 from pytest_dflash.engines import IN_PROCESS, Generation, PrefillResult, Sampling
-from pytest_dflash.engines.geometry import KV_BLOCK_SIZE, Geometry
+from pytest_dflash.engines.geometry import KV_BLOCK_SIZE
 from pytest_dflash.engines.model import (
     ModelConfig,
     attn_qkv,
@@ -85,9 +85,12 @@ def _resolve(selection: Mapping[str, str], registry: Any) -> dict[str, tuple[str
     if not all(callable(getattr(gemm, m, None)) for m in ("prepare", "linear", "gate_up")):
         raise EngineError(f"route {out[GEMM][0]} does not offer the gemm.nvfp4 contract "
                           "(.prepare, .linear, .gate_up)")
-    if not isinstance(geom, Geometry):
-        raise EngineError(f"route {out[GEOMETRY][0]} is not a prefill geometry "
-                          "(pytest_dflash.engines.geometry.Geometry)")
+    # the family's contract (families.PrefillGeometry), not the shipped class: an outside
+    # project's geometry object qualifies, and so does a copy of the shipped module's class
+    if not (isinstance(getattr(geom, "state_dtype", None), torch.dtype)
+            and callable(getattr(geom, "chunk", None))):
+        raise EngineError(f"route {out[GEOMETRY][0]} does not offer the prefill.geometry "
+                          "contract (.state_dtype, a torch.dtype, and .chunk(profile))")
     return out
 
 
