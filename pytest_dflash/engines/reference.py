@@ -310,10 +310,11 @@ class ReferenceEngine:
             end = start + qb.shape[0]
             kv.ensure(end + MAX_VERIFY_ROWS)
             kv.write(start, kb, vb)
-            op = "dense" if start == 0 else "paged"
             if start == 0:
+                op = "dense"
                 self.attn.dense(qb, kb, vb, out[b], scale, True)
             else:
+                op = "paged"
                 self.attn.paged(qb, kv.k, kv.v, kv.table(end), end, out[b], scale, True)
             self._dispatch[self.attn_route] += 1
             self._dispatch[f"{self.attn_route}:{op}"] += 1
