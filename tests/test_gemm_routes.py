@@ -17,6 +17,7 @@ from dflash_kernels.gemm import (
     QPN2PackedRoute,
     QPN4BoundedRoute,
     as_gemm_route,
+    packed_plan,
     shared_workspace,
     workspace_bytes_per_tile,
 )
@@ -125,7 +126,8 @@ def test_min_prefill_m_must_exceed_the_verify_width() -> None:
     ws = shared_workspace("cpu").id
     with pytest.raises(ValueError, match="min_prefill_m > 8"):  # the op itself checks too
         torch.ops.dflash_qpn.qpn2_packed_linear(
-            _x(4), w.buffer, w.scales, None, w.global_scale, w.n, w.k, 4, ws, 2**20, False)
+            _x(4), w.buffer, w.scales, None, w.global_scale, w.n,
+            packed_plan(w.k, 4, ws, 2**20), False)
     assert QPN2PackedRoute(min_prefill_m=9).min_prefill_m == 9
 
 
@@ -135,7 +137,8 @@ def test_dispatch_branch_is_inside_the_registered_op() -> None:
     for m, path, kernel in ((40, "large_m", "qpn4_bounded"), (32, "small_m", "qpn2")):
         with hits.counting() as delta:
             out = torch.ops.dflash_qpn.qpn2_packed_linear(
-                _x(m), w.buffer, w.scales, None, w.global_scale, w.n, w.k, 33, ws, 2**24, True)
+                _x(m), w.buffer, w.scales, None, w.global_scale, w.n,
+                packed_plan(w.k, 33, ws, 2**24), True)
         assert out.shape == (m, 45)
         assert delta.counts == {("gemm.nvfp4.qpn2_packed", path): 1,
                                 (f"gemm.nvfp4.{kernel}", path): 1}
@@ -159,7 +162,7 @@ def test_op_registrations_pass_opcheck() -> None:
     for m in (3, 40):
         for scales_fp16 in (None, w.fp16_prescaled_or_none()):
             args = (_x(m, dtype=torch.float16), w.buffer, w.scales, scales_fp16, w.global_scale,
-                    w.n, w.k, 33, ws, 2**24, False)
+                    w.n, packed_plan(w.k, 33, ws, 2**24), False)
             torch.library.opcheck(ops.qpn2_packed_linear.default, args, test_utils=checks)
     args = (_x(40), w.buffer, w.scales, None, w.global_scale, w.n, w.k, ws, 2**24, True)
     torch.library.opcheck(ops.qpn4_bounded_linear.default, args, test_utils=checks)

@@ -180,7 +180,7 @@ def test_workspace_storage_is_released_with_its_route() -> None:
 
 _ARGUMENT_ERRORS = r"""
 import json, re, torch
-from dflash_kernels.gemm import QPN2, shared_workspace
+from dflash_kernels.gemm import QPN2, packed_plan, shared_workspace
 from dflash_kernels.nvfp4 import quantize
 g = torch.Generator().manual_seed(0)
 w = QPN2.prepare(quantize(torch.randn(90, 128, generator=g) * 0.05))
@@ -197,9 +197,13 @@ calls = {
     "fp32 or fp16": lambda: op(x.bfloat16(), w.buffer, w.scales, w.global_scale, w.n, w.k, False),
     r"2-D \[M, K\]": lambda: op(x[None], w.buffer, w.scales, w.global_scale, w.n, w.k, False),
     "scales_fp16 must be contiguous fp16": lambda: packed(
-        x, w.buffer, w.scales, w.scales.float(), w.global_scale, w.n, w.k, 33, ws, 2**20, False),
+        x, w.buffer, w.scales, w.scales.float(), w.global_scale, w.n,
+        packed_plan(w.k, 33, ws, 2**20), False),
     "raise workspace_bytes to at least": lambda: packed(
-        torch.randn(40, 128), w.buffer, w.scales, None, w.global_scale, w.n, w.k, 33, ws, 100,
+        torch.randn(40, 128), w.buffer, w.scales, None, w.global_scale, w.n,
+        packed_plan(w.k, 33, ws, 100), False),
+    "plan must be a contiguous CPU int64 tensor": lambda: packed(
+        x, w.buffer, w.scales, None, w.global_scale, w.n, packed_plan(w.k, 33, ws, 2**20).int(),
         False),
 }
 out = {}

@@ -40,6 +40,17 @@ void poison(at::Tensor& t);
 // min_prefill_m <= kMaxVerifyM is refused unless a test switched the check off.
 void check_min_prefill_m(int64_t min_prefill_m);
 
+// qpn2_packed_linear's static dispatch fields, carried in one CPU int64 tensor [4]
+// (k, min_prefill_m, workspace_id, workspace_bytes) built once per weight: every argument that
+// crosses torch.ops costs host time on each call, and a verify step must not pay more to reach
+// the qpn2 kernel through this op than through qpn2_linear (the validation_cost gate).
+struct PackedPlan {
+  int64_t k, min_prefill_m, workspace_id, workspace_bytes;
+};
+constexpr int64_t kPackedPlanFields = 4;
+// The plan, checked (ValueError naming the expected layout), min_prefill_m included.
+PackedPlan read_packed_plan(const at::Tensor& plan);
+
 struct Geometry {
   int64_t m, n, k, n_padded, tiles, groups;
 };

@@ -14,10 +14,11 @@
 //       fp16 pre-scaled scales (2^14 bias) when given, removed in fp32 at the end; otherwise the
 //       raw E4M3 scales with the global scale in fp32. On the CPU the workspace holds fp32
 //       values (a CPU fp16 GEMM is several times slower than fp32 and would only measure that).
-//   qpn2_packed_linear(x, buffer, scales, scales_fp16?, global_scale, n, k, min_prefill_m,
-//                      workspace_id, workspace_bytes, gated)
+//   qpn2_packed_linear(x, buffer, scales, scales_fp16?, global_scale, n, plan, gated)
 //       the dispatch op: M >= min_prefill_m runs qpn4_bounded's very function, smaller M the
 //       qpn2 one, so type-A parity holds by construction; the branch costs one comparison.
+//       plan: CPU int64 [k, min_prefill_m, workspace_id, workspace_bytes] (PackedPlan), so the
+//       call crosses torch.ops with no more host cost than qpn2_linear.
 //   hit_counts() -> int64 [4]; set_poison(bool) -> previous; set_dispatch_checked(bool);
 //   workspace_peak(id) -> int; workspace_reset_peak(id); workspace_trim(id, bound);
 //   workspace_release(id)
@@ -81,6 +82,20 @@ void check_min_prefill_m(int64_t min_prefill_m) {
                     ": draft width 7 + 1) to the large-M path and change the speculative "
                     "verification cost; use min_prefill_m > ", kMaxVerifyM, " (default ",
                     kMaxSmallM + 1, ")");
+}
+
+PackedPlan read_packed_plan(const at::Tensor& plan) {
+  TORCH_CHECK_VALUE(plan.device().is_cpu() && plan.scalar_type() == at::kLong &&
+                        plan.dim() == 1 && plan.numel() == kPackedPlanFields &&
+                        plan.is_contiguous(),
+                    "dflash_qpn::qpn2_packed_linear: plan must be a contiguous CPU int64 tensor "
+                    "[k, min_prefill_m, workspace_id, workspace_bytes] (dflash_kernels.gemm."
+                    "packed_plan), got ", plan.scalar_type(), " ", plan.sizes(), " on ",
+                    plan.device());
+  const int64_t* f = plan.const_data_ptr<int64_t>();
+  const PackedPlan p{f[0], f[1], f[2], f[3]};
+  check_min_prefill_m(p.min_prefill_m);
+  return p;
 }
 
 Geometry check_args(const char* op, const at::Tensor& x, const at::Tensor& buffer,
@@ -524,20 +539,19 @@ at::Tensor qpn4_bounded_linear_cpu(const at::Tensor& x, const at::Tensor& buffer
 at::Tensor qpn2_packed_linear_cpu(const at::Tensor& x, const at::Tensor& buffer,
                                   const at::Tensor& scales,
                                   const std::optional<at::Tensor>& scales_fp16,
-                                  double global_scale, int64_t n, int64_t k,
-                                  int64_t min_prefill_m, int64_t workspace_id,
-                                  int64_t workspace_bytes, bool gated) {
-  check_min_prefill_m(min_prefill_m);
+                                  double global_scale, int64_t n, const at::Tensor& plan,
+                                  bool gated) {
+  const PackedPlan p = read_packed_plan(plan);
   const Geometry g =
-      check_args("qpn2_packed_linear", x, buffer, scales, scales_fp16, n, k, gated);
+      check_args("qpn2_packed_linear", x, buffer, scales, scales_fp16, n, p.k, gated);
   at::Tensor y;
-  if (g.m < min_prefill_m) {
+  if (g.m < p.min_prefill_m) {
     count_hit(kHitPackedSmallM);
     y = qpn2_small_m_cpu(x, buffer, scales, global_scale, g);
   } else {
     count_hit(kHitPackedLargeM);
-    y = qpn4_bounded_large_m_cpu(x, buffer, scales, scales_fp16, global_scale, workspace_id,
-                                 workspace_bytes, g);
+    y = qpn4_bounded_large_m_cpu(x, buffer, scales, scales_fp16, global_scale, p.workspace_id,
+                                 p.workspace_bytes, g);
   }
   return finish(y, n, gated, x.scalar_type());
 }
@@ -559,8 +573,8 @@ at::Tensor qpn4_bounded_linear_meta(const at::Tensor& x, const at::Tensor&, cons
 }
 
 at::Tensor qpn2_packed_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
-                                   const std::optional<at::Tensor>&, double, int64_t n, int64_t,
-                                   int64_t, int64_t, int64_t, bool gated) {
+                                   const std::optional<at::Tensor>&, double, int64_t n,
+                                   const at::Tensor&, bool gated) {
   return out_like(x, n, gated);
 }
 
@@ -574,8 +588,7 @@ TORCH_LIBRARY(dflash_qpn, m) {
         "float global_scale, int n, int k, int workspace_id, int workspace_bytes, bool gated) "
         "-> Tensor");
   m.def("qpn2_packed_linear(Tensor x, Tensor buffer, Tensor scales, Tensor? scales_fp16, "
-        "float global_scale, int n, int k, int min_prefill_m, int workspace_id, "
-        "int workspace_bytes, bool gated) -> Tensor");
+        "float global_scale, int n, Tensor plan, bool gated) -> Tensor");
   m.def("hit_counts() -> Tensor", &dflash_qpn::hit_counts);
   m.def("set_poison(bool on) -> bool", &dflash_qpn::set_poison);
   m.def("set_dispatch_checked(bool on) -> ()", &dflash_qpn::set_dispatch_checked);

@@ -515,27 +515,26 @@ at::Tensor qpn4_bounded_linear_cuda(const at::Tensor& x, const at::Tensor& buffe
   const Geometry g =
       check_args("qpn4_bounded_linear", x, buffer, scales, scales_fp16, n, k, gated);
   const c10::cuda::CUDAGuard guard(x.device());
-  return qpn4_bounded_large_m_cuda(x, buffer, scales, scales_fp16, global_scale, workspace_id,
-                                   workspace_bytes, g, gated);
+  return qpn4_bounded_large_m_cuda(x, buffer, scales, scales_fp16, global_scale,
+                                   p.workspace_id, p.workspace_bytes, g, gated);
 }
 
 at::Tensor qpn2_packed_linear_cuda(const at::Tensor& x, const at::Tensor& buffer,
                                    const at::Tensor& scales,
                                    const std::optional<at::Tensor>& scales_fp16,
-                                   double global_scale, int64_t n, int64_t k,
-                                   int64_t min_prefill_m, int64_t workspace_id,
-                                   int64_t workspace_bytes, bool gated) {
-  check_min_prefill_m(min_prefill_m);
+                                   double global_scale, int64_t n, const at::Tensor& plan,
+                                   bool gated) {
+  const PackedPlan p = read_packed_plan(plan);
   const Geometry g =
-      check_args("qpn2_packed_linear", x, buffer, scales, scales_fp16, n, k, gated);
+      check_args("qpn2_packed_linear", x, buffer, scales, scales_fp16, n, p.k, gated);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (g.m < min_prefill_m) {
+  if (g.m < p.min_prefill_m) {
     count_hit(kHitPackedSmallM);
     return qpn2_small_m_cuda(x, buffer, scales, global_scale, g, gated);
   }
   count_hit(kHitPackedLargeM);
-  return qpn4_bounded_large_m_cuda(x, buffer, scales, scales_fp16, global_scale, workspace_id,
-                                   workspace_bytes, g, gated);
+  return qpn4_bounded_large_m_cuda(x, buffer, scales, scales_fp16, global_scale,
+                                   p.workspace_id, p.workspace_bytes, g, gated);
 }
 
 }  // namespace
