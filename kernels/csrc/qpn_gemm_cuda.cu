@@ -515,8 +515,8 @@ at::Tensor qpn4_bounded_linear_cuda(const at::Tensor& x, const at::Tensor& buffe
   const Geometry g =
       check_args("qpn4_bounded_linear", x, buffer, scales, scales_fp16, n, k, gated);
   const c10::cuda::CUDAGuard guard(x.device());
-  return qpn4_bounded_large_m_cuda(x, buffer, scales, scales_fp16, global_scale,
-                                   p.workspace_id, p.workspace_bytes, g, gated);
+  return qpn4_bounded_large_m_cuda(x, buffer, scales, scales_fp16, global_scale, workspace_id,
+                                   workspace_bytes, g, gated);
 }
 
 at::Tensor qpn2_packed_linear_cuda(const at::Tensor& x, const at::Tensor& buffer,
