@@ -197,13 +197,16 @@ calls = {
     "fp32 or fp16": lambda: op(x.bfloat16(), w.buffer, w.scales, w.global_scale, w.n, w.k, False),
     r"2-D \[M, K\]": lambda: op(x[None], w.buffer, w.scales, w.global_scale, w.n, w.k, False),
     "scales_fp16 must be contiguous fp16": lambda: packed(
-        x, w.buffer, w.scales, w.scales.float(), w.global_scale, w.n,
-        packed_plan(w.k, 33, ws, 2**20), False),
+        x, w.buffer, w.scales, w.scales.float(), w.n,
+        packed_plan(w.k, 33, ws, 2**20, w.global_scale), False),
     "raise workspace_bytes to at least": lambda: packed(
-        torch.randn(40, 128), w.buffer, w.scales, None, w.global_scale, w.n,
-        packed_plan(w.k, 33, ws, 100), False),
+        torch.randn(40, 128), w.buffer, w.scales, None, w.n,
+        packed_plan(w.k, 33, ws, 100, w.global_scale), False),
+    "min_prefill_m > 8": lambda: packed(
+        x, w.buffer, w.scales, None, w.n, packed_plan(w.k, 4, ws, 2**20, w.global_scale), False),
     "plan must be a contiguous CPU int64 tensor": lambda: packed(
-        x, w.buffer, w.scales, None, w.global_scale, w.n, packed_plan(w.k, 33, ws, 2**20).int(),
+        x, w.buffer, w.scales, None, w.n,
+        packed_plan(w.k, 33, ws, 2**20, w.global_scale).int(),
         False),
 }
 out = {}

@@ -40,14 +40,16 @@ void poison(at::Tensor& t);
 // min_prefill_m <= kMaxVerifyM is refused unless a test switched the check off.
 void check_min_prefill_m(int64_t min_prefill_m);
 
-// qpn2_packed_linear's static dispatch fields, carried in one CPU int64 tensor [4]
-// (k, min_prefill_m, workspace_id, workspace_bytes) built once per weight: every argument that
-// crosses torch.ops costs host time on each call, and a verify step must not pay more to reach
-// the qpn2 kernel through this op than through qpn2_linear (the validation_cost gate).
+// qpn2_packed_linear's static dispatch fields, carried in one CPU int64 tensor [5]
+// (k, min_prefill_m, workspace_id, workspace_bytes, the global scale's float64 bits) built once
+// per weight: every argument that crosses torch.ops costs host time on each call, and a verify
+// step must not pay more to reach the qpn2 kernel through this op than through qpn2_linear (the
+// validation_cost gate).
 struct PackedPlan {
   int64_t k, min_prefill_m, workspace_id, workspace_bytes;
+  double global_scale;
 };
-constexpr int64_t kPackedPlanFields = 4;
+constexpr int64_t kPackedPlanFields = 5;
 // The plan, checked (ValueError naming the expected layout), min_prefill_m included.
 PackedPlan read_packed_plan(const at::Tensor& plan);
 

@@ -14,11 +14,12 @@
 //       fp16 pre-scaled scales (2^14 bias) when given, removed in fp32 at the end; otherwise the
 //       raw E4M3 scales with the global scale in fp32. On the CPU the workspace holds fp32
 //       values (a CPU fp16 GEMM is several times slower than fp32 and would only measure that).
-//   qpn2_packed_linear(x, buffer, scales, scales_fp16?, global_scale, n, plan, gated)
+//   qpn2_packed_linear(x, buffer, scales, scales_fp16?, n, plan, gated)
 //       the dispatch op: M >= min_prefill_m runs qpn4_bounded's very function, smaller M the
 //       qpn2 one, so type-A parity holds by construction; the branch costs one comparison.
-//       plan: CPU int64 [k, min_prefill_m, workspace_id, workspace_bytes] (PackedPlan), so the
-//       call crosses torch.ops with no more host cost than qpn2_linear.
+//       plan: CPU int64 [k, min_prefill_m, workspace_id, workspace_bytes, global scale as
+//       float64 bits] (PackedPlan), so the call crosses torch.ops with fewer arguments than
+//       qpn2_linear and costs the host no more.
 //   hit_counts() -> int64 [4]; set_poison(bool) -> previous; set_dispatch_checked(bool);
 //   workspace_peak(id) -> int; workspace_reset_peak(id); workspace_trim(id, bound);
 //   workspace_release(id)
@@ -89,11 +90,12 @@ PackedPlan read_packed_plan(const at::Tensor& plan) {
                         plan.dim() == 1 && plan.numel() == kPackedPlanFields &&
                         plan.is_contiguous(),
                     "dflash_qpn::qpn2_packed_linear: plan must be a contiguous CPU int64 tensor "
-                    "[k, min_prefill_m, workspace_id, workspace_bytes] (dflash_kernels.gemm."
-                    "packed_plan), got ", plan.scalar_type(), " ", plan.sizes(), " on ",
-                    plan.device());
+                    "[k, min_prefill_m, workspace_id, workspace_bytes, global scale bits] "
+                    "(dflash_kernels.gemm.packed_plan), got ", plan.scalar_type(), " ",
+                    plan.sizes(), " on ", plan.device());
   const int64_t* f = plan.const_data_ptr<int64_t>();
-  const PackedPlan p{f[0], f[1], f[2], f[3]};
+  PackedPlan p{f[0], f[1], f[2], f[3], 0.0};
+  std::memcpy(&p.global_scale, &f[4], sizeof(double));
   check_min_prefill_m(p.min_prefill_m);
   return p;
 }
@@ -538,19 +540,18 @@ at::Tensor qpn4_bounded_linear_cpu(const at::Tensor& x, const at::Tensor& buffer
 
 at::Tensor qpn2_packed_linear_cpu(const at::Tensor& x, const at::Tensor& buffer,
                                   const at::Tensor& scales,
-                                  const std::optional<at::Tensor>& scales_fp16,
-                                  double global_scale, int64_t n, const at::Tensor& plan,
-                                  bool gated) {
+                                  const std::optional<at::Tensor>& scales_fp16, int64_t n,
+                                  const at::Tensor& plan, bool gated) {
   const PackedPlan p = read_packed_plan(plan);
   const Geometry g =
       check_args("qpn2_packed_linear", x, buffer, scales, scales_fp16, n, p.k, gated);
   at::Tensor y;
   if (g.m < p.min_prefill_m) {
     count_hit(kHitPackedSmallM);
-    y = qpn2_small_m_cpu(x, buffer, scales, global_scale, g);
+    y = qpn2_small_m_cpu(x, buffer, scales, p.global_scale, g);
   } else {
     count_hit(kHitPackedLargeM);
-    y = qpn4_bounded_large_m_cpu(x, buffer, scales, scales_fp16, global_scale, p.workspace_id,
+    y = qpn4_bounded_large_m_cpu(x, buffer, scales, scales_fp16, p.global_scale, p.workspace_id,
                                  p.workspace_bytes, g);
   }
   return finish(y, n, gated, x.scalar_type());
@@ -573,7 +574,7 @@ at::Tensor qpn4_bounded_linear_meta(const at::Tensor& x, const at::Tensor&, cons
 }
 
 at::Tensor qpn2_packed_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
-                                   const std::optional<at::Tensor>&, double, int64_t n,
+                                   const std::optional<at::Tensor>&, int64_t n,
                                    const at::Tensor&, bool gated) {
   return out_like(x, n, gated);
 }
@@ -588,7 +589,7 @@ TORCH_LIBRARY(dflash_qpn, m) {
         "float global_scale, int n, int k, int workspace_id, int workspace_bytes, bool gated) "
         "-> Tensor");
   m.def("qpn2_packed_linear(Tensor x, Tensor buffer, Tensor scales, Tensor? scales_fp16, "
-        "float global_scale, int n, Tensor plan, bool gated) -> Tensor");
+        "int n, Tensor plan, bool gated) -> Tensor");
   m.def("hit_counts() -> Tensor", &dflash_qpn::hit_counts);
   m.def("set_poison(bool on) -> bool", &dflash_qpn::set_poison);
   m.def("set_dispatch_checked(bool on) -> ()", &dflash_qpn::set_dispatch_checked);

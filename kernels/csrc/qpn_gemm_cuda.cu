@@ -522,18 +522,17 @@ at::Tensor qpn4_bounded_linear_cuda(const at::Tensor& x, const at::Tensor& buffe
 at::Tensor qpn2_packed_linear_cuda(const at::Tensor& x, const at::Tensor& buffer,
                                    const at::Tensor& scales,
                                    const std::optional<at::Tensor>& scales_fp16,
-                                   double global_scale, int64_t n, const at::Tensor& plan,
-                                   bool gated) {
+                                   int64_t n, const at::Tensor& plan, bool gated) {
   const PackedPlan p = read_packed_plan(plan);
   const Geometry g =
       check_args("qpn2_packed_linear", x, buffer, scales, scales_fp16, n, p.k, gated);
   const c10::cuda::CUDAGuard guard(x.device());
   if (g.m < p.min_prefill_m) {
     count_hit(kHitPackedSmallM);
-    return qpn2_small_m_cuda(x, buffer, scales, global_scale, g, gated);
+    return qpn2_small_m_cuda(x, buffer, scales, p.global_scale, g, gated);
   }
   count_hit(kHitPackedLargeM);
-  return qpn4_bounded_large_m_cuda(x, buffer, scales, scales_fp16, global_scale,
+  return qpn4_bounded_large_m_cuda(x, buffer, scales, scales_fp16, p.global_scale,
                                    p.workspace_id, p.workspace_bytes, g, gated);
 }
 
