@@ -34,6 +34,18 @@ VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 # Set by the controller, inherited by every worker: folder where workers leave the group of each
 # timing test (route and gate) for the controller's scheduler.
 GROUPS_ENV = "DFLASH_GPU_GROUPS"
+# Set per worker through its execnet spec (unless the caller set it): the worker's share of the
+# host's cores for torch's CPU threads. Two workers with a thread per core each oversubscribe the
+# host, and the host-bound parts of a gate (kernel launches, oracles, the sandbox) slow down and
+# grow noisier, which costs timing gates rounds.
+THREADS_ENV = "OMP_NUM_THREADS"
+# Gate kinds by how long their tests usually take on a GPU, longest first (full profile, one
+# H200: an engine verify-cost gate 70-165 s, a cold-prefill speed gate 50-110 s, quality 56 s,
+# the loader fixture 16 s, ppl 6 s, a parity test a few seconds). Workers hand their tests to the
+# scheduler in this order, so the longest gates start first and no worker is left running one
+# at the end while the others idle (longest-processing-time-first).
+LONGEST_FIRST: tuple[str, ...] = ("validation_cost", "speed", "quality", "loader", "ppl",
+                                  "parity")
 QUERY = "index,name,uuid,compute_cap"
 SMI_TIMEOUT_S = 30.0
 
@@ -197,14 +209,28 @@ def decode_plan(text: str) -> list[Gpu]:
                        ) from None
 
 
-def worker_spec(spec: str, slot: int, gpu: Gpu) -> str:
-    """An execnet spec that starts the worker with only ``gpu`` visible (before any import)."""
+def threads_per_worker(workers: int, cpus: int | None = None) -> int:
+    """torch CPU threads for each of ``workers`` processes sharing ``cpus`` cores (at least 1)."""
+    if cpus is None:
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, workers))
+
+
+def schedule_rank(kind: str | None) -> int:
+    """Position of a gate kind in :data:`LONGEST_FIRST` (tests of no gate last)."""
+    return LONGEST_FIRST.index(kind) if kind in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
+def worker_spec(spec: str, slot: int, gpu: Gpu, threads: int | None = None) -> str:
+    """An execnet spec that starts the worker with only ``gpu`` visible (before any import),
+    and with ``threads`` torch CPU threads when given."""
     if not spec.startswith("popen") and "//popen" not in spec:
         raise GpuError(f"--tx {spec}: GPUs are assigned to local (popen) workers only; use -n N")
     if f"env:{VISIBLE_ENV}=" in spec or f"env:{SLOT_ENV}=" in spec:
         raise GpuError(f"--tx {spec} sets {VISIBLE_ENV} itself; let pytest-dflash assign the "
                        "GPUs or run without -n")
-    return f"{spec}//env:{VISIBLE_ENV}={gpu.uuid}//env:{SLOT_ENV}={slot}"
+    spec = f"{spec}//env:{VISIBLE_ENV}={gpu.uuid}//env:{SLOT_ENV}={slot}"
+    return spec if threads is None else f"{spec}//env:{THREADS_ENV}={threads}"
 
 
 # ---------------------------------------------------------------- inside a worker

@@ -9,7 +9,8 @@ of each timing test in a folder and the controller's scheduler (xdist's ``loadgr
 with those groups) hands out whole groups. The groups do not travel as ``xdist_group`` marks:
 with pytest 9.2 xdist's mark-to-node-id mechanism silently stops grouping (pytest-xdist issue
 1386), and it would also rename the tests in the report. ``-n auto`` means one worker per
-visible GPU.
+visible GPU. The workers hand their tests over longest gate kind first
+(``gpus.LONGEST_FIRST``) and each gets its share of the host's cores for torch's CPU threads.
 
 Registered by the ``pytest11`` entry point ``dflash-gpus``; it acts only where the main plugin is
 active. Without GPUs (or with ``--dflash-device cpu``) nothing changes: timing gates stay refused
@@ -96,7 +97,9 @@ def _configure_controller(config: pytest.Config) -> None:
             "--dist load (or loadgroup)")
     try:
         cards = gpus.plan(found, len(specs))
-        config.option.tx = [gpus.worker_spec(specs[slot], slot, gpu)
+        # the caller's own thread setting, if any, reaches the workers by inheritance
+        threads = None if gpus.THREADS_ENV in os.environ else gpus.threads_per_worker(len(cards))
+        config.option.tx = [gpus.worker_spec(specs[slot], slot, gpu, threads)
                             for slot, gpu in enumerate(cards)]
     except gpus.GpuError as exc:
         raise pytest.UsageError(f"pytest-dflash: {exc}") from None
@@ -129,17 +132,25 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Worker: tell the controller's scheduler which tests form one timing gate."""
+    """Worker: hand the tests over longest gate kind first (every worker sorts alike, so the
+    collections stay identical), and tell the controller's scheduler which tests form one
+    timing gate."""
     if config.stash.get(WORKER_GPU, None) is None:
         return
+    items.sort(key=lambda item: gpus.schedule_rank(_kind(item)))
     groups = {}
     for item in items:
-        marker = item.get_closest_marker("gate")
         callspec = getattr(item, "callspec", None)
         route = callspec.params.get("dflash_route") if callspec else None
-        if marker is not None and route is not None and marker.args[0] in EXCLUSIVE_KINDS:
-            groups[item.nodeid] = gpus.group_name(route.name, marker.args[0])
+        kind = _kind(item)
+        if route is not None and kind in EXCLUSIVE_KINDS:
+            groups[item.nodeid] = gpus.group_name(route.name, kind)
     gpus.write_groups(os.environ[gpus.GROUPS_ENV], int(os.environ[gpus.SLOT_ENV]), groups)
+
+
+def _kind(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("gate")
+    return marker.args[0] if marker is not None and marker.args else None
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
@@ -161,6 +172,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                 self.groups = gpus.read_groups(os.environ[gpus.GROUPS_ENV])
             return self.groups.get(nodeid) or super()._split_scope(nodeid)
 
+    # keep the workers' longest-first order: xdist would otherwise sort the units by test count
+    config.option.loadscopereorder = False
     return GateGroupScheduling(config, log)
 
 

@@ -106,6 +106,16 @@ def test_plan_one_card_per_worker_refuses_too_many_workers_and_mixed_models() ->
         gpus.plan([], 1)
 
 
+def test_threads_are_shared_out_and_longest_gate_kinds_go_first() -> None:
+    assert gpus.threads_per_worker(2, cpus=32) == 16
+    assert gpus.threads_per_worker(3, cpus=2) == 1
+    assert gpus.worker_spec("popen", 0, H200[0], threads=16).endswith(
+        "//env:DFLASH_GPU_SLOT=0//env:OMP_NUM_THREADS=16")
+    kinds = ["parity", None, "ppl", "speed", "quality", "loader", "validation_cost"]
+    assert sorted(kinds, key=gpus.schedule_rank) == [
+        "validation_cost", "speed", "quality", "loader", "ppl", "parity", None]
+
+
 def test_worker_identity_round_trip_and_tamper_check() -> None:
     spec = gpus.worker_spec("popen", 1, H200[1])
     assert spec == "popen//env:CUDA_VISIBLE_DEVICES=GPU-bbbb0000-2222//env:DFLASH_GPU_SLOT=1"
@@ -190,7 +200,8 @@ def pytest_runtest_setup(item):
         log.write("\\t".join([item.nodeid, os.environ.get("PYTEST_XDIST_WORKER", "-"),
                               os.environ.get("DFLASH_GPU_SLOT", "-"),
                               os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
-                              IMPORT_TIME_VISIBLE or "-", server]) + "\\n")
+                              IMPORT_TIME_VISIBLE or "-", server,
+                              os.environ.get("OMP_NUM_THREADS", "-")]) + "\\n")
 """
 
 TOYIMPL = """
@@ -237,7 +248,9 @@ def test_two_fake_gpus_two_workers_each_own_one_and_gates_stay_on_one_card(
     rows = _log(toy)
     assert len(rows) == 3 + 3 * 4
     cards_of_worker = collections.defaultdict(set)
-    for nodeid, worker, slot, visible, at_import, server in rows:
+    for nodeid, worker, slot, visible, at_import, server, threads in rows:
+        # each worker got its share of the host's cores for torch's CPU threads
+        assert threads == str(gpus.threads_per_worker(2)), (nodeid, threads)
         # the card was set before the worker imported anything (conftest import time), and a
         # server the worker starts sees that card only
         assert visible == at_import == server == f"GPU-fake-{slot}", (nodeid, worker, visible,
@@ -253,6 +266,12 @@ def test_two_fake_gpus_two_workers_each_own_one_and_gates_stay_on_one_card(
         by_gate[nodeid.split("[")[1].split("-")[0]].add(worker)
     assert set(by_gate) == {"toy.add.one", "toy.add.two", "toy.add.three"}
     assert all(len(workers) == 1 for workers in by_gate.values()), by_gate
+    # longest gate kind first: every worker started with a speed test, though the parity
+    # tests come first in collection order
+    first = {}
+    for nodeid, worker, *_ in rows:
+        first.setdefault(worker, nodeid)
+    assert all("test_speed" in nodeid for nodeid in first.values()), first
     # the merged report names tests exactly as a run without xdist does
     report = json.loads((toy.path / "dflash-report.json").read_text())
     nodeids = [t["nodeid"] for r in report["routes"].values() for g in r["gates"].values()
@@ -292,7 +311,7 @@ def test_cpu_device_keeps_plain_xdist(toy: pytest.Pytester,
     result = toy.runpytest_subprocess("-n", "3", "--dflash-device", "cpu", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3, skipped=12)  # timing gates refused under xdist on the CPU
     assert "one GPU each" not in result.stdout.str()
-    assert {tuple(row[2:]) for row in _log(toy)} == {("-", "-", "-", "0,1")}
+    assert {tuple(row[2:]) for row in _log(toy)} == {("-", "-", "-", "0,1", "-")}
 
 
 def test_other_dist_modes_are_refused_in_gpu_mode(toy: pytest.Pytester,
