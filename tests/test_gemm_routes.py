@@ -260,3 +260,18 @@ def test_poisoned_buffers_reach_the_native_kernels_which_overwrite_them() -> Non
             got = route.linear(x, route.prepare(w))
             assert_bitwise_equal(got, expected[route.name], f"{route.name} poisoned")
     assert torch.ops.dflash_qpn.set_poison(False) is False  # and off again after the block
+
+
+def test_validation_cost_shares_the_resident_weight_only_between_like_routes() -> None:
+    """qpn2_packed keeps qpn2's resident buffer, so the gate times both on one prepared copy;
+    a route with its own prepare (turbomind, an outside class) gets a copy of its own."""
+    from dflash_suites.support.gemm import shares_resident_weights
+
+    class Outside:
+        def prepare(self, w: NVFP4Weight) -> NVFP4Weight:
+            return w
+
+    assert shares_resident_weights(QPN2_PACKED, QPN2)
+    assert not shares_resident_weights(TURBOMIND, QPN2)
+    assert not shares_resident_weights(Outside(), QPN2)
+    assert not shares_resident_weights(lambda x, w: x, QPN2)

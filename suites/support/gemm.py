@@ -181,6 +181,19 @@ def check_workspace(measured: dict[str, Any]) -> None:
         raise AssertionError(f"workspace peak outside (0, bound]: {measured}")
 
 
+def shares_resident_weights(candidate: Any, disabled: Any) -> bool:
+    """True when both routes prepare weights with the very same function.
+
+    Their prepared (resident) forms are then the same bytes, and in a stack the candidate reads
+    the buffer the verify route already holds: that is the deployment the gate must judge. Two
+    separately allocated copies differ in memory placement, a difference that is not the
+    candidate's but would be charged to it.
+    """
+    ours = getattr(getattr(candidate, "prepare", None), "__func__", None)
+    theirs = getattr(getattr(disabled, "prepare", None), "__func__", None)
+    return ours is not None and ours is theirs
+
+
 def _verify_step(impl: Any, x: torch.Tensor, gate_up: Any, down: Any) -> Callable[[], Any]:
     return lambda: impl.linear(impl.gate_up(x, gate_up), down)
 
@@ -203,8 +216,9 @@ def run_validation_cost(candidate_name: str, candidate: Any, disabled: Any, *, p
     k_down, n_down = layer_shape("down", profile)
     w_gu = make_weight(n_gu, k_gu, seed=case_seed(policy, "vc", "gate_up"), device=device)
     w_down = make_weight(n_down, k_down, seed=case_seed(policy, "vc", "down"), device=device)
-    on = (candidate.prepare(w_gu), candidate.prepare(w_down))
     off = (disabled.prepare(w_gu), disabled.prepare(w_down))
+    shared = shares_resident_weights(candidate, disabled)
+    on = off if shared else (candidate.prepare(w_gu), candidate.prepare(w_down))
     dtype = gate_dtype(device)
     peak_fn = getattr(candidate, "workspace_peak_bytes", None)
     peak_before = peak_fn(device) if peak_fn else None
@@ -237,6 +251,7 @@ def run_validation_cost(candidate_name: str, candidate: Any, disabled: Any, *, p
     peak_after = peak_fn(device) if peak_fn else None
     measurements: dict[str, Any] = {
         "per_m": figures,
+        "weights": "one resident copy" if shared else "a copy per route",
         "route_hits": route_hits,
         "workspace_peak_bytes_before": peak_before,
         "workspace_peak_bytes_after": peak_after,
