@@ -8,10 +8,12 @@ interpreter inside a *jail* built from kernel barriers, probed once per process 
 jail (bubblewrap, ``bwrap``; as root without it, the same view built with util-linux: a tmpfs
 root of read-only bind mounts in fresh namespaces, entered with ``chroot``)
     - a new root holding only read-only binds of ``/usr`` and the ``/lib*``, ``/bin`` links, the
-      interpreter binary, its shared library and its standard library (``site-packages`` hidden),
-      ``/proc`` and a minimal ``/dev`` of its own, and a private size-capped ``/tmp`` holding the
-      working directory: ``/root``, ``/home``, ``/etc``, the project checkout and every other
-      process's files are not there at all;
+      interpreter binary, its shared library and its standard library, ``/proc`` and a minimal
+      ``/dev`` of its own, and a private size-capped ``/tmp`` holding the working directory:
+      ``/root``, ``/home``, ``/etc``, the project checkout and every other process's files are
+      not there at all; no installed package shows either (empty read-only directories hide
+      ``site-packages``/``dist-packages``, the other Python trees under ``/usr`` such as Debian's
+      ``/usr/lib/python3``, and ``/usr/local`` unless the interpreter lives there);
     - its own pid, network (no route anywhere, not even to the host's loopback), IPC, UTS and
       cgroup namespaces; killed with its parent;
     - as a real unprivileged user (uid 65534 via ``setpriv``, when the parent is root: no user
@@ -44,12 +46,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import json
 import math
 import os
 import pwd
 import shutil
 import signal
+import site
 import stat
 import subprocess
 import sys
@@ -261,8 +265,8 @@ def _interpreter() -> Path:
     return base if base.is_file() else Path(os.path.realpath(sys.executable))
 
 
-def _interpreter_files() -> tuple[list[Path], list[Path]]:
-    """(paths to bind read-only, directories to hide) so the interpreter starts in the jail."""
+def _interpreter_files() -> list[Path]:
+    """The paths to bind read-only so the interpreter starts in the jail."""
     stdlib = Path(os.path.realpath(os.path.dirname(os.__file__)))
     binds = [Path(os.path.realpath(_interpreter())), stdlib]
     dynload = sysconfig.get_config_var("DESTSHARED")
@@ -272,10 +276,47 @@ def _interpreter_files() -> tuple[list[Path], list[Path]]:
         libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
         if libdir and soname and (Path(libdir) / soname).exists():
             binds.append(Path(os.path.realpath(Path(libdir) / soname)))
-    unique = [b for i, b in enumerate(binds)
-              if not any(b == o or o in b.parents for o in binds[:i])]
-    hidden = [d / "site-packages" for d in unique if (d / "site-packages").is_dir()]
-    return unique, hidden
+    return [b for i, b in enumerate(binds) if not any(b == o or o in b.parents for o in binds[:i])]
+
+
+#: Where installed Python code lives beside the standard library: the jail hides every one that
+#: its binds would show (``/usr`` shows Debian's ``/usr/lib/python3/dist-packages``, pip's
+#: wheels, other interpreters' trees), except a directory that holds the interpreter's own files,
+#: whose ``site-packages``/``dist-packages`` are hidden instead.
+_PACKAGE_NAMES = ("site-packages", "dist-packages")
+_PACKAGE_GLOBS = ("/usr/local", "/usr/lib*/python*", "/usr/local/lib*/python*",
+                  "/usr/share/python*", "/usr/share/pyshared")
+
+
+def _installed_packages() -> list[str]:
+    """Every directory where packages are installed for the base interpreter, as the interpreter
+    itself names them (Debian's adds ``dist-packages`` under ``/usr/local`` and ``/usr/lib``)."""
+    bases = [sys.base_prefix, sys.base_exec_prefix]
+    scheme = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})
+    return [*site.getsitepackages(bases), scheme["purelib"], scheme["platlib"]]
+
+
+def _hidden(binds: list[Path], shown: list[Path]) -> list[Path]:
+    """The directories of host Python code that the jail's binds (``shown``: the system
+    directories and ``binds``) would expose, outermost first; none holds one of ``binds``."""
+    def holds(d: Path) -> bool:
+        return any(d == b or d in b.parents for b in binds)
+
+    candidates = [Path(p) for pattern in _PACKAGE_GLOBS for p in sorted(glob.glob(pattern))]
+    candidates += [Path(p) for p in _installed_packages()]
+    candidates += [b / name for b in binds for name in _PACKAGE_NAMES]
+    hidden: list[Path] = []
+    for candidate in candidates:
+        path = Path(os.path.realpath(candidate))
+        if not path.is_dir() or not any(s == path or s in path.parents for s in shown):
+            continue
+        if holds(path):
+            hidden += [path / name for name in _PACKAGE_NAMES
+                       if (path / name).is_dir() and not holds(path / name)]
+        else:
+            hidden.append(path)
+    hidden = sorted(set(hidden), key=lambda p: (len(p.parts), p))
+    return [h for i, h in enumerate(hidden) if not any(o in h.parents for o in hidden[:i])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,7 +365,9 @@ def _jail_view() -> list[tuple[str, str, str]]:
             view.append(("link", name, os.readlink(path)))
         elif path.is_dir():
             view.append(("bind", name, ""))
-    binds, hidden = _interpreter_files()
+    binds = _interpreter_files()
+    shown = [Path(name) for op, name, _ in view if op == "bind"] + binds
+    hidden = _hidden(binds, shown)
     # Parents of the binds outside the system directories (e.g. /root/.pyenv/...) are created
     # traversable and empty: bwrap would copy the host's mode (0700 for /root).
     system = [Path(name) for name in _SYSTEM_DIRS]
@@ -349,10 +392,12 @@ def _bwrap_prefix(bwrap: str, as_root: bool) -> list[str]:
         chain = [bwrap, "--unshare-all", "--cap-drop", "ALL"]
     chain += ["--die-with-parent", "--new-session"]
     options = {"link": ["--symlink"], "dir": ["--perms", "0755", "--dir"],
-               "bind": ["--ro-bind"], "hide": ["--tmpfs"]}
+               "bind": ["--ro-bind"], "hide": ["--perms", "0555", "--size", "4096", "--tmpfs"]}
     for op, path, target in _jail_view():
         chain += [*options[op], *([target] if op == "link" else [path] if op == "bind" else []),
                   path]
+        if op == "hide":  # in a user namespace the tmpfs would belong to the program
+            chain += ["--remount-ro", path]
     return chain + ["--proc", "/proc", "--dev", "/dev"]
 
 
@@ -434,6 +479,8 @@ assert sys.version == cfg["version"], "another interpreter ran: " + sys.version
 if cfg["jail"]:
     for path in cfg["invisible"]:
         assert not os.path.lexists(path), "visible in the jail: " + path
+    for path in cfg["hidden"]:
+        assert not os.listdir(path), "host packages visible in the jail: " + path
 if cfg["seccomp"]:
     sys.modules.pop("posix", None)
     import posix
@@ -454,7 +501,9 @@ def _try(launcher: _Launcher, **checks: object) -> str | None:
     try:
         (secret / "canary").write_text("x")
         invisible = [str(secret / "canary"), str(Path(__file__).resolve())]
-        program = _PROBE.format(cfg={**checks, "invisible": invisible, "version": sys.version})
+        hidden = [path for op, path, _ in _jail_view() if op == "hide"] if checks["jail"] else []
+        program = _PROBE.format(cfg={**checks, "invisible": invisible, "hidden": hidden,
+                                     "version": sys.version})
         result = _execute(launcher, program, timeout_s=30.0, memory_mb=512, cpu_s=30,
                           max_procs=32, max_file_bytes=1 << 20, disk_bytes=4 << 20,
                           tail_chars=600)

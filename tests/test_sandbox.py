@@ -10,10 +10,14 @@ Without bubblewrap the jail tests skip with the reason, except where ``DFLASH_RE
 
 from __future__ import annotations
 
+import glob
 import os
 import re
+import site
 import socket
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import textwrap
 import time
@@ -204,25 +208,58 @@ def test_isolation_names_the_jail_first(jail):
     assert sandbox.check_permitted() == notes
 
 
+def _host_package_dirs() -> list[str]:
+    """Where this host keeps installed Python packages, as the running interpreter names them
+    (``site.getsitepackages`` and the install scheme, for the environment and for the base
+    interpreter: ``site-packages`` for CPython's layout, ``dist-packages`` under ``/usr`` and
+    ``/usr/local`` for Debian's), plus every other interpreter's under ``/usr`` and pip's wheels
+    that ``python3-venv`` installs: none of them may show in the jail."""
+    bases = [sys.base_prefix, sys.base_exec_prefix]
+    paths = {*site.getsitepackages(), *site.getsitepackages(bases)}
+    for scheme in (sysconfig.get_paths(),
+                   sysconfig.get_paths(vars={"base": sys.base_prefix,
+                                             "platbase": sys.base_exec_prefix})):
+        paths |= {scheme["purelib"], scheme["platlib"]}
+    for pattern in ("/usr/lib*/python*/*-packages", "/usr/local/lib*/python*/*-packages",
+                    "/usr/share/python-wheels"):
+        paths |= set(glob.glob(pattern))
+    return sorted(path for path in paths if os.path.isdir(path))
+
+
 def test_the_jail_shows_only_the_interpreter(jail):
-    """What exists in the jail's root: system directories, the interpreter's files, /tmp."""
-    program = """
-        import os, sys
+    """What exists in the jail's root: system directories, the interpreter's files, /tmp; no
+    installed package of the host, whichever interpreter runs the tests."""
+    packages = _host_package_dirs()
+    populated = [path for path in packages if os.listdir(path)]
+    # Without an installed package on the host, the check below would prove nothing.
+    assert populated, f"no installed package on this host to look for: {packages}"
+    program = f"""
+        import os, re, sys
         print(sorted(os.listdir("/")))
-        print(sorted(os.listdir(os.path.dirname(os.__file__) + "/site-packages")))
+        stdlib = os.path.dirname(os.__file__)
+        print(os.path.isfile(stdlib + "/os.py"), os.path.isdir(stdlib + "/json"))
+        seen = {{}}
+        for path in {packages!r}:
+            try:
+                seen[path] = len(os.listdir(path))
+            except FileNotFoundError:
+                seen[path] = None
+        print(seen)
         print(os.getuid(), os.getgid(), os.getgroups())
         status = open("/proc/self/status").read()
         print(re.search(r"CapEff:\\s*(\\w+)", status).group(1),
               re.search(r"NoNewPrivs:\\s*(\\d)", status).group(1),
               re.search(r"Seccomp:\\s*(\\d)", status).group(1))
-    """.replace("import os, sys", "import os, re, sys")
+    """
     result = run(program)
     assert result.passed, result.stderr_tail
-    top, site, ids, caps = result.stdout_tail.strip().splitlines()
+    top, stdlib, seen, ids, caps = result.stdout_tail.strip().splitlines()
     allowed = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "proc", "dev", "tmp"}
     interpreter_top = Path(os.path.realpath(sandbox._interpreter())).parts[1]
     assert set(eval(top)) <= allowed | {interpreter_top}, top  # noqa: S307 - our own repr
-    assert eval(site) == []  # noqa: S307
+    assert stdlib == "True True"  # the standard library is there, so the absences mean something
+    shown = {path: count for path, count in eval(seen).items() if count}  # noqa: S307
+    assert shown == {}, f"host packages in the jail (entries each); on the host: {populated}"
     if os.geteuid() == 0:
         assert ids == "65534 65534 []"
     assert caps.split() == ["0000000000000000", "1", "2"]
@@ -534,13 +571,22 @@ def test_connecting_to_a_local_listener_is_refused(listener):
     _assert_accepted_nothing(listener)
 
 
+def _raw_socket_spec() -> str:
+    """Source that finds the raw ``_socket`` module past the in-process guard: from its extension
+    file (CPython's ``lib-dynload``; the path is the same inside the jail), or, where the
+    interpreter has it built in (Debian's ``/usr/bin/python3``), from the built-in importer."""
+    path = getattr(sys.modules["_socket"], "__file__", None)
+    if path is not None:
+        return f"importlib.util.spec_from_file_location('_socket', {os.path.realpath(path)!r})"
+    assert "_socket" in sys.builtin_module_names
+    return "importlib.machinery.BuiltinImporter.find_spec('_socket')"
+
+
 def test_bypassing_the_socket_guard_is_stopped_by_the_kernel(listener, jail):
     port = listener.getsockname()[1]
-    # Load the raw _socket extension from its file, past the in-process guard.
     program = f"""
-        import glob, importlib.util, os
-        path = glob.glob(os.path.dirname(os.__file__) + "/lib-dynload/_socket*.so")[0]
-        spec = importlib.util.spec_from_file_location("_socket", path)
+        import importlib.machinery, importlib.util
+        spec = {_raw_socket_spec()}
         raw = importlib.util.module_from_spec(spec)
         sock = raw.socket(2, 1)
         print("raw socket made", flush=True)
