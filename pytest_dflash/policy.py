@@ -26,6 +26,13 @@ class Policy:
     speed_rounds: int = 12
     speed_max_rounds: int = 48
     speed_warmup: int = 2
+    # CPU samples last at least this long: a call shorter than it (measured once on the
+    # baseline) is repeated back to back within each sample, the same number of times for both
+    # sides, and the sample is their mean. A 300 us GEMV timed alone varies by >10% with OS
+    # jitter on a 2-core host, enough for qpn2 timed against itself to fail the 1% no-regression
+    # bar at 2 of 8 verify widths. Never on CUDA (one cold-L2 call per sample) and never with a
+    # before_each reset (each call must see its reset).
+    cpu_sample_min_s: float = 0.002
     bootstrap_resamples: int = 2000
     seed: int = 20261129
     # validation_cost: every M's CI upper bound <= 1 + noise floor
@@ -59,6 +66,10 @@ class Policy:
     sandbox_memory_mb: int = 512
 
     def __post_init__(self) -> None:
+        if not self.cpu_sample_min_s >= 0:
+            raise PolicyError(f"cpu_sample_min_s must be >= 0 seconds (0: one call per sample), "
+                              f"got {self.cpu_sample_min_s}; fix [tool.pytest-dflash] "
+                              f"cpu_sample_min_s")
         if self.quality_batch < 1:
             raise PolicyError(f"quality_batch must be >= 1 (completions decoded together), got "
                               f"{self.quality_batch}; set [tool.pytest-dflash] quality_batch = 1 "

@@ -4,9 +4,12 @@ Why this module exists: a speed claim is only evidence if both routes were timed
 the same process, interleaved, with the cache state each run would see in production. So every
 speed and validation-cost gate goes through :func:`speed_gate`, which
 
-* times ONE call per sample: ``perf_counter_ns`` on the CPU; on CUDA, events around the call with
-  the L2 cache flushed first (a cold L2, as a prefill that streams its weights sees) and a
-  single synchronize after, so no host overhead or sync latency is counted;
+* times ONE call per sample on CUDA: events around the call with the L2 cache flushed first (a
+  cold L2, as a prefill that streams its weights sees) and a single synchronize after, so no
+  host overhead or sync latency is counted. On the CPU (``perf_counter_ns``) a call shorter than
+  ``policy.cpu_sample_min_s`` is repeated back to back within a sample, the same number of
+  times on both sides (:func:`calls_per_sample`), so OS jitter does not swamp a sub-millisecond
+  call;
 * runs an untimed ``before_each`` (e.g. a prefix-cache reset) before every timed call;
 * warms both sides up, then hands the pair to :func:`pytest_dflash.statistics.paired_compare`
   with the predeclared policy values, records the figure, CI and raw samples, and fails the test
@@ -16,6 +19,7 @@ speed and validation-cost gate goes through :func:`speed_gate`, which
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 import zlib
@@ -116,6 +120,27 @@ def timer_for(device: torch.device | str) -> Callable[[Callable[[], Any]], float
     raise ValueError(f"no timer for device type {dev.type!r}; supported: cpu, cuda")
 
 
+def calls_per_sample(baseline: Callable[[], Any], device: torch.device | str,
+                     min_seconds: float) -> int:
+    """How many back-to-back calls one sample holds: 1 on CUDA or when ``min_seconds`` is 0,
+    else enough calls of ``baseline`` (its fastest of 3 single calls) to last ``min_seconds``."""
+    if torch.device(device).type != "cpu" or min_seconds <= 0:
+        return 1
+    single = min(cpu_timer(baseline) for _ in range(3))
+    return max(1, min(10_000, math.ceil(min_seconds / max(single, 1e-9))))
+
+
+def _repeated(fn: Callable[[], Any], calls: int) -> Callable[[], Any]:
+    if calls == 1:
+        return fn
+
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+
+    return run
+
+
 def speed_gate(
     candidate: Callable[[], Any],
     baseline: Callable[[], Any],
@@ -142,12 +167,16 @@ def speed_gate(
         raise TypeError(f"{label}: before_each must be a zero-argument callable or None")
     timer = timer_for(device)
     threshold = threshold_for(rule, policy)
+    calls = 1 if before_each is not None else calls_per_sample(baseline, device,
+                                                               policy.cpu_sample_min_s)
 
     def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+        sample = _repeated(fn, calls)
+
         def run() -> float:
             if before_each is not None:
                 before_each()
-            return timer(fn)
+            return timer(sample) / calls
 
         return run
 
@@ -183,6 +212,7 @@ def speed_gate(
         loadavg_before=load_before,
         loadavg_after=list(os.getloadavg()),
         threads=torch.get_num_threads(),
+        calls_per_sample=calls,
     )
     if not result.passed:
         raise AssertionError(

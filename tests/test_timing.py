@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from pytest_dflash.policy import Policy
+from pytest_dflash.policy import Policy, PolicyError
 from pytest_dflash.statistics import PairedResult
 from pytest_dflash.timing import (
+    calls_per_sample,
     cpu_timer,
     cuda_timer,
     l2_flush_buffer,
@@ -239,3 +240,31 @@ def test_speed_gate_refuses_bad_arguments():
         )
     with pytest.raises(TypeError, match="zero-argument callables"):
         speed_gate(small_sum, 3, policy=POLICY, device="cpu", record=Recorder(), label="x")
+
+
+def test_short_cpu_calls_are_repeated_within_a_sample_alike_on_both_sides():
+    """A call far shorter than cpu_sample_min_s is repeated k times per sample (k from the
+    baseline, the same for both sides); CUDA, a zero minimum or a before_each keep one call."""
+    calls = {"candidate": 0, "baseline": 0}
+
+    def side(name: str):
+        def call() -> float:
+            calls[name] += 1
+            return float(SMALL[:1000].sum())
+        return call
+
+    record = Recorder()
+    result = speed_gate(side("candidate"), side("baseline"), policy=POLICY, device="cpu",
+                        record=record, label="repeat", rule="no_regression")
+    k = record.calls[0]["calls_per_sample"]
+    assert k > 1
+    assert calls["candidate"] == k * (result.rounds + POLICY.speed_warmup)
+    assert calls["baseline"] == calls["candidate"] + 3  # 3 single calls size k
+    assert calls_per_sample(large_sum, "cpu", 0.0) == 1
+    assert calls_per_sample(small_sum, "cuda", 1.0) == 1  # one cold-L2 call per CUDA sample
+    assert calls_per_sample(small_sum, "cpu", 1.0) > 1
+
+
+def test_cpu_sample_minimum_must_not_be_negative():
+    with pytest.raises(PolicyError, match="cpu_sample_min_s must be >= 0"):
+        Policy(cpu_sample_min_s=-1.0)
