@@ -376,7 +376,7 @@ def packed_plan(k: int, min_prefill_m: int, workspace_id: int, workspace_bytes: 
     Each argument that crosses ``torch.ops`` costs host time on every call (about 0.2 us each,
     measured); as separate arguments these fields made a verify step through this op cost more
     than through ``qpn2_linear``, which the validation_cost gate then measured as the route's
-    regression. With the plan, the op takes fewer arguments than ``qpn2_linear``.
+    regression. With the plan, the op takes as many arguments as ``qpn2_linear`` (7).
     """
     bits = torch.tensor([float(global_scale)], dtype=torch.float64).view(torch.int64)
     fields = torch.tensor([k, min_prefill_m, workspace_id, workspace_bytes], dtype=torch.int64)

@@ -18,8 +18,8 @@
 //       the dispatch op: M >= min_prefill_m runs qpn4_bounded's very function, smaller M the
 //       qpn2 one, so type-A parity holds by construction; the branch costs one comparison.
 //       plan: CPU int64 [k, min_prefill_m, workspace_id, workspace_bytes, global scale as
-//       float64 bits] (PackedPlan), so the call crosses torch.ops with fewer arguments than
-//       qpn2_linear and costs the host no more.
+//       float64 bits] (PackedPlan), so the call crosses torch.ops with as many arguments as
+//       qpn2_linear (7) and costs the host no more.
 //   hit_counts() -> int64 [4]; set_poison(bool) -> previous; set_dispatch_checked(bool);
 //   workspace_peak(id) -> int; workspace_reset_peak(id); workspace_trim(id, bound);
 //   workspace_release(id)
