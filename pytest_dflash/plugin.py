@@ -55,6 +55,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--dflash-report", default=None, metavar="PATH",
                     help="JSON evidence report (default: ini dflash_report, else "
                          f"{DEFAULT_REPORT})")
+    group.addoption("--dflash-progress-log", default=None, metavar="DIR",
+                    help="also append the progress of long timing gates to DIR/<process>.log "
+                         "(main, or the xdist worker id such as gw0), under -q and in workers "
+                         "too; DIR is created if missing")
     group.addoption("--dflash-merge", action="store_true", default=None,
                     help="merge this run's results into the existing report (same evidence only)")
     group.addoption("--dflash-strict", action="store_true", default=None,

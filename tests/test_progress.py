@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+from pathlib import Path
 
 import pytest
 
@@ -18,13 +19,13 @@ class Recorder:
 
     def __init__(self) -> None:
         self.updates: list[str] = []
-        self.cleared = 0
+        self.ends: list[str] = []
 
     def update(self, label: str, status: str) -> None:
         self.updates.append(f"{label}: {status}")
 
-    def clear(self) -> None:
-        self.cleared += 1
+    def end(self, label: str, status: str) -> None:
+        self.ends.append(f"{label}: {status}")
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def recorder() -> Recorder:
     sink = Recorder()
     progress.install(sink)
     yield sink
-    progress.install(None)
+    progress.install()
 
 
 def test_tracker_waits_throttles_and_reports_ratio_and_ci(recorder: Recorder) -> None:
@@ -51,7 +52,8 @@ def test_tracker_waits_throttles_and_reports_ratio_and_ci(recorder: Recorder) ->
         on_round(6, 12, cand, base)  # within the interval: throttled
         now[0] = 4.6
         on_round(6, 12, cand, base)
-    assert len(recorder.updates) == 2 and recorder.cleared == 1
+    assert len(recorder.updates) == 2
+    assert recorder.ends == ["gate_up M=64: ended after 6 rounds (target 12, cap 48) in 4.6 s"]
     text = recorder.updates[0]
     match = re.fullmatch(r"gate_up M=64: 5/12 rounds \(cap 48\), ratio (\S+) \[(\S+), (\S+)\] "
                          r"so far, needs CI upper < 0\.990", text)
@@ -64,8 +66,8 @@ def test_no_sink_means_no_callback_and_a_silent_gate_is_not_cleared(recorder: Re
     with progress.gate("quick", rule="no_regression", threshold=1.01, max_rounds=1536,
                        confidence=0.95, delay_s=100.0) as on_round:
         on_round(3, 12, [1.0] * 3, [1.0] * 3)
-    assert recorder.updates == [] and recorder.cleared == 0
-    progress.install(None)
+    assert recorder.updates == [] and recorder.ends == []
+    progress.install()
     with progress.gate("quick", rule="gain", threshold=0.99, max_rounds=48,
                        confidence=0.95) as on_round:
         assert on_round is None
@@ -101,7 +103,7 @@ def test_terminal_sink_rewrites_one_line_on_a_tty(pytester: pytest.Pytester) -> 
     sink.pytest_runtest_logstart("suites/t.py::test_speed[r.fast]", ("", 0, ""))
     sink.update("M=3", "12/48 rounds")
     sink.update("M=3", "24/48 rounds")
-    sink.clear()
+    sink.end("M=3", "ended after 24 rounds")
     text = out.getvalue()
     assert "\rdflash 12/48 rounds | test_speed[r.fast] M=3" in text
     assert "\rdflash 24/48 rounds | test_speed[r.fast] M=3" in text
@@ -113,6 +115,61 @@ def test_terminal_sink_writes_plain_lines_when_not_a_tty(pytester: pytest.Pytest
     out = io.StringIO()
     sink = progress.TerminalSink(_reporter(pytester, out), None, tty=False)
     sink.update("M=3", "12/48 rounds")
-    sink.clear()
+    sink.end("M=3", "ended after 12 rounds")
     assert out.getvalue() == "dflash progress: M=3: 12/48 rounds\n"
     assert sink.interval_s >= 30
+
+
+class Throttled(Recorder):
+    """A recorder with a long interval, next to the 1 s one: each sink is throttled alone."""
+
+    interval_s = 30.0
+
+
+def test_each_sink_is_throttled_on_its_own_interval_and_ended_only_if_shown() -> None:
+    fast, slow = Recorder(), Throttled()
+    progress.install(fast, slow)
+    try:
+        now = [0.0]
+        with progress.gate("M=1", rule="no_regression", threshold=1.01, max_rounds=1536,
+                           confidence=0.95, delay_s=3.0, clock=lambda: now[0]) as on_round:
+            for done in range(1, 41):  # one round a second
+                now[0] = float(done)
+                on_round(done, 768, [1.0] * done, [1.0] * done)
+        with progress.gate("short", rule="gain", threshold=0.99, max_rounds=48,
+                           confidence=0.95, delay_s=3.0, clock=lambda: now[0]) as on_round:
+            on_round(2, 12, [1.0] * 2, [1.0] * 2)  # ends before the delay: no lines at all
+    finally:
+        progress.install()
+    assert [u.split(" rounds")[0] for u in fast.updates] == [f"M=1: {d}/768" for d in
+                                                              range(3, 41)]
+    assert [u.split(" rounds")[0] for u in slow.updates] == ["M=1: 3/768", "M=1: 33/768"]
+    end = "M=1: ended after 40 rounds (target 768, cap 1536) in 40.0 s"
+    assert fast.ends == [end] and slow.ends == [end]
+
+
+LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (.*)")
+
+
+def test_file_sink_appends_stamped_lines_naming_the_test(tmp_path: Path) -> None:
+    sink = progress.FileSink.start(tmp_path / "new" / "logs", "gw1")
+    sink.pytest_runtest_logstart("suites/t.py::test_speed[r.fast]", ("", 0, ""))
+    sink.update("M=3", "12/48 rounds")
+    sink.end("M=3", "ended after 20 rounds")
+    lines = (tmp_path / "new" / "logs" / "gw1.log").read_text().splitlines()
+    texts = [LINE.fullmatch(line).group(1) for line in lines]
+    assert texts[0].startswith("session start, pid ")
+    assert texts[1:] == ["suites/t.py::test_speed[r.fast] M=3: 12/48 rounds",
+                         "suites/t.py::test_speed[r.fast] M=3: ended after 20 rounds"]
+    assert sink.interval_s >= 30
+
+
+def test_file_sink_that_cannot_write_stops_without_raising(tmp_path: Path,
+                                                          capfd: pytest.CaptureFixture) -> None:
+    sink = progress.FileSink.start(tmp_path, "main")
+    sink.path.unlink()
+    sink.path.mkdir()  # the log is now a directory: every append fails
+    sink.update("M=3", "12/48 rounds")  # a gate must not fail because its log cannot be written
+    sink.update("M=3", "24/48 rounds")
+    err = capfd.readouterr().err
+    assert err.count("dflash: progress log") == 1 and str(sink.path) in err

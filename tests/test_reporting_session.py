@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -141,9 +142,104 @@ def test_xdist_workers_show_no_progress(pytester: pytest.Pytester) -> None:
 
         def test_worker_has_no_sink():
             assert os.environ.get("PYTEST_XDIST_WORKER")
-            assert progress._SINK is None
+            assert progress._SINKS == ()
     """)
     pytester.runpytest_subprocess("-n", "2", "-p", "xdist").assert_outcomes(passed=1)
+
+
+STAMPED = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (.*)")
+
+
+def _log(path: Path) -> list[str]:
+    """The lines of a progress log without their UTC time stamps (each line must have one)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    texts = [STAMPED.fullmatch(line) for line in lines]
+    assert all(texts), lines
+    return [t.group(1) for t in texts]
+
+
+def test_progress_log_records_a_long_gate_even_under_q(pytester: pytest.Pytester,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_dflash import progress
+
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)  # show progress from the second round on
+    pytester.makeconftest(TOY)
+    pytester.makepyfile(test_timed=TIMED)
+    result = pytester.runpytest("-q", "--dflash-progress-log", "logs/progress")
+    assert "dflash progress" not in result.stdout.str()  # the terminal rules are unchanged
+    logs = pytester.path / "logs" / "progress"  # relative to the rootdir, created
+    assert sorted(p.name for p in logs.iterdir()) == ["main.log"]
+    lines = _log(logs / "main.log")
+    assert lines[0].startswith("session start, pid ")
+    test = "test_timed.py::test_speed[toy.mul.fast] toy sum: "
+    assert re.fullmatch(re.escape(test) + r"\d+/12 rounds \(cap 48\), ratio \d+\.\d{3} "
+                        r"\[\d+\.\d{3}, \d+\.\d{3}\] so far, needs CI upper < 0\.990",
+                        lines[1]), lines
+    end = re.fullmatch(re.escape(test) + r"ended after (\d+) rounds \(target \d+, cap 48\) "
+                       r"in \d+\.\d s", lines[-1])
+    assert end, lines
+    report = json.loads((pytester.path / "dflash-report.json").read_text())
+    speed = report["routes"]["toy.mul.fast"]["gates"]["speed"]["tests"][0]
+    assert int(end.group(1)) == speed["measurements"]["rounds"]
+    # a second session appends to the same file
+    pytester.runpytest("-q", "--dflash-progress-log", "logs/progress")
+    assert len(_log(logs / "main.log")) > len(lines)
+
+
+FAKE_GATES = """
+import os
+
+import pytest
+from pytest_dflash import progress
+
+@pytest.mark.parametrize("n", range(4))
+def test_fake_long_gate(n):
+    now = [0.0]
+    worker = os.environ["PYTEST_XDIST_WORKER"]
+    with progress.gate(f"fake {worker}", rule="no_regression", threshold=1.01,
+                       max_rounds=1536, confidence=0.95, delay_s=3.0,
+                       clock=lambda: now[0]) as on_round:
+        assert on_round is not None
+        for done in range(1, 101):  # one round a second on the fake clock
+            now[0] = float(done)
+            on_round(done, 768, [1.0] * done, [1.0] * done)
+"""
+
+
+def test_progress_log_has_one_file_per_xdist_worker(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(TOY)
+    pytester.makepyfile(test_fake=FAKE_GATES)
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "xdist", "-q",
+                                           "--dflash-progress-log", "logs")
+    result.assert_outcomes(passed=4)
+    logs = pytester.path / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["gw0.log", "gw1.log", "main.log"]
+    assert len(_log(logs / "main.log")) == 1  # the controller runs no gate
+    gates = 0
+    for worker in ("gw0", "gw1"):
+        lines = _log(logs / f"{worker}.log")
+        assert lines[0].startswith("session start, pid ")
+        for line in lines[1:]:  # each worker's lines come from its own gates only
+            assert re.match(r"test_fake\.py::test_fake_long_gate\[\d\] fake " + worker + ": ",
+                            line), line
+        # a line at the start of each gate, then every 30 s of its 100 s, then its end
+        rounds = [line.split(": ", 1)[1].split(" rounds")[0] for line in lines[1:]]
+        assert rounds == ["3/768", "33/768", "63/768", "93/768", "ended after 100"] * (
+            len(rounds) // 5), lines
+        gates += len(rounds) // 5
+    assert gates == 4
+
+
+def test_unwritable_progress_log_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(TOY)
+    pytester.makepyfile(test_timed=TIMED)
+    pytester.path.joinpath("blocker").write_text("a file, not a folder")
+    result = pytester.runpytest("--dflash-progress-log", "blocker/logs")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--dflash-progress-log blocker/logs: cannot write "
+                                 f"{pytester.path / 'blocker' / 'logs' / 'main.log'} (*); give a "
+                                 "directory that can be created and written, or leave the "
+                                 "option out*"])
 
 
 BENCH = """
