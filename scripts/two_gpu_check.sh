@@ -9,7 +9,9 @@
 #
 # Usage, from the repository root:
 #   scripts/two_gpu_check.sh [--profile quick|ci|full] [--part one|two|both] [-- pytest args]
-# Reports and logs go to $OUT (default ./two-gpu-check). Exit status 0 only if every check holds.
+# Reports and logs go to $OUT (default ./two-gpu-check), and each run's live progress of its
+# timing gates to $OUT/progress-<run>/<process>.log (main, gw0, gw1: `tail -f` them while it
+# runs; --dflash-progress-log). Exit status 0 only if every check holds.
 # --part one / --part two run one half (where one call may not run both, e.g. under a time
 # limit per command); the checks run once both reports are in $OUT (exit 3 until then).
 # DFLASH_CHECK_DEVICE (default cuda) is only for a dry run of this script's plumbing elsewhere.
@@ -63,10 +65,11 @@ done
 run() {  # name, CUDA_VISIBLE_DEVICES, pytest arguments...
   local name="$1" visible="$2"; shift 2
   local start end
+  rm -rf "$out/progress-$name"  # like $name.log, the progress logs are this run's only
   start=$(date +%s.%N)
   CUDA_VISIBLE_DEVICES="$visible" python3 -m pytest -m sm70 --dflash-device "$device" \
     --dflash-profile "$profile" --dflash-report "$out/$name.json" -p no:cacheprovider -q -rs \
-    "$@" "${extra[@]}" >"$out/$name.log" 2>&1
+    --dflash-progress-log "$out/progress-$name" "$@" "${extra[@]}" >"$out/$name.log" 2>&1
   local rc=$?
   end=$(date +%s.%N)
   echo "$name: exit $rc, wall $(python3 -c "print(f'{$end - $start:.1f}')") s"
