@@ -113,8 +113,9 @@ class GateContext:
 
     @cached_property
     def verify_route(self) -> Route:
-        """The route that serves speculative verification when the candidate is disabled."""
-        name = self.family.verify_route
+        """The route that serves speculative verification when the candidate is disabled: the
+        candidate's own ``Route.verify_route`` if it names one, else the family's."""
+        name = self.route.verify_route or self.family.verify_route
         if name is None:
             raise LookupError(f"family {self.route.family!r} declares no verify_route; declare "
                               "it with registry.declare(Family(..., verify_route=NAME)) to run "

@@ -40,6 +40,10 @@ class Route:
     ``impl`` is what op-level gates call (family-specific contract); ``engine`` maps
     family -> route name and is what model-level gates switch in the engine. ``probe`` returns
     None when the route can run here, otherwise the human reason it cannot (e.g. "needs SM70").
+    ``verify_route``, like ``baseline``, overrides the family's for this candidate: the route
+    its validation-cost gates compare it with (what serves verification while it is off). The
+    gate self-test uses it to compare a wrapped route with the verify route wrapped the same
+    way, so the wrapper's own per-call cost is paid on both sides.
     """
 
     name: str
@@ -53,6 +57,7 @@ class Route:
     probe: str | Callable[[], str | None] | None = None
     switch: str | None = None
     description: str = ""
+    verify_route: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -135,6 +140,14 @@ class RouteRegistry:
                 raise RegistryError(
                     f"route {route.name!r} and its baseline {base.name!r} are of different families"
                 )
+        for route in self._routes.values():
+            if route.verify_route is None:
+                continue
+            verify = self._routes.get(route.verify_route)
+            if verify is None or verify.family != route.family:
+                raise RegistryError(
+                    f"route {route.name!r} names verify_route {route.verify_route!r}, which is "
+                    f"not a registered route of family {route.family!r}")
 
     def _validate_family(self, family: Family) -> None:
         wanted = {"baseline": family.baseline, "oracle": family.oracle,

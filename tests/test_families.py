@@ -106,6 +106,32 @@ def test_gate_context_without_verify_route_says_how_to_declare_it() -> None:
         gate.verify_route  # noqa: B018
 
 
+def test_a_route_can_name_its_own_verify_route() -> None:
+    """Like ``Route.baseline``, ``Route.verify_route`` overrides the family's for that route
+    (the self-test compares a wrapped route with the verify route wrapped the same way)."""
+    registry = _toy(verify_route="toy.mul.base")
+    registry.register(Route("toy.mul.other", "toy.mul", "candidate", baseline="toy.mul.base"))
+    registry.register(Route("toy.mul.mine", "toy.mul", "candidate", baseline="toy.mul.base",
+                            gates=("validation_cost",), verify_route="toy.mul.other"))
+    registry.validate()
+    mine = GateContext(route=registry.get("toy.mul.mine"), kind="validation_cost",
+                       registry=registry, policy=Policy(), profile="quick", device="cpu",
+                       record=lambda **_: None, engine=lambda selection: dict(selection))
+    assert mine.verify_route.name == "toy.mul.other"
+    assert _context(registry, {}).verify_route.name == "toy.mul.base"  # the family's
+
+
+@pytest.mark.parametrize("name", ["toy.mul.gone", "toy.add.base"])
+def test_a_routes_verify_route_must_be_a_route_of_its_family(name: str) -> None:
+    registry = _toy(verify_route="toy.mul.base")
+    registry.register(Route("toy.add.base", "toy.add", "baseline"))
+    registry.register(Route("toy.mul.mine", "toy.mul", "candidate", baseline="toy.mul.base",
+                            verify_route=name))
+    with pytest.raises(RegistryError, match=f"names verify_route '{name}', which is not a "
+                                            "registered route of family 'toy.mul'"):
+        registry.validate()
+
+
 def test_per_size_values() -> None:
     assert per_size_values("attn_speed_t", "ci") == SIZES["ci"].attn_speed_t
     assert per_size_values({"quick": 3, "ci": (1, 2), "full": [4]}, "quick") == (3,)
