@@ -183,6 +183,108 @@ def test_verify_path_defect_sends_verify_widths_to_the_baseline_path(registry):
         assert delta.route("gemm.nvfp4.qpn2") == 0, (m, delta.as_json())
 
 
+# ---------------------------------------------------------------- validation_cost: both sides
+
+@pytest.fixture
+def declared() -> RouteRegistry:
+    """The shipped routes with their family declarations (gemm.nvfp4's verify route)."""
+    from pytest_dflash.shipped import pytest_dflash_routes
+
+    reg = RouteRegistry()
+    pytest_dflash_routes(reg)
+    return reg
+
+
+def _install(registry: RouteRegistry, route: str = "gemm.nvfp4.qpn2_packed") -> list[Planted]:
+    planted = plan([registry.get(route)], registry, Policy())
+    for p in planted:
+        registry.register(catalogue.as_route(p, registry, Policy()))
+    registry.validate()
+    return planted
+
+
+def _gate(registry: RouteRegistry, name: str):
+    from pytest_dflash.gate import GateContext
+
+    return GateContext(route=registry.get(name), kind="validation_cost", registry=registry,
+                       policy=Policy(), profile="quick", device=torch.device("cpu"),
+                       record=lambda **_: None, engine=lambda selection: dict(selection))
+
+
+def _python_calls(step) -> list[tuple[str, str]]:
+    """The Python functions one call of ``step`` runs, in order (file, function): the host
+    path a timed call pays, compared without a clock."""
+    import os
+    import sys
+
+    calls: list[tuple[str, str]] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            calls.append((os.path.basename(code.co_filename), code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_validation_cost_compares_planted_routes_with_the_verify_route_wrapped_alike(declared):
+    """The asymmetry this guards against: a planted route (Python wrapper) timed against the
+    bare verify route pays the wrapper's per-call cost alone, and at the quick size that cost
+    read as a 1.15-1.28x regression of the unchanged copy. Both sides must run the same host
+    path, differ only by the planted defect, and keep the verify route's hits."""
+    from dflash_suites.support import check_same_kernels
+    from dflash_suites.support.gemm import _verify_step, make_x, shares_resident_weights
+
+    planted = _install(declared)
+    through = [p.name for p in planted if p.pass_through]
+    assert through == ["gemm.nvfp4.qpn2~passthrough"]  # one per verify route, never judged
+    assert declared.get(through[0]).gates == ()
+    sides = {}
+    for p in planted:
+        if "validation_cost" not in p.gates:
+            assert declared.get(p.name).verify_route is None
+            continue
+        gate = _gate(declared, p.name)
+        verify = gate.verify_route.implementation()
+        assert type(verify) is type(gate.impl), p.name  # the same wrapper on both sides
+        assert (verify.planted.serves.name, verify.defect, verify.slowdown) == (
+            "gemm.nvfp4.qpn2", None, None)
+        sides[p.key] = gate.impl, verify
+    assert set(sides) == {"copy", "verify_path", "verify_cost_2pct"}
+    # the route itself still meets the family's verify route, bare
+    assert _gate(declared, "gemm.nvfp4.qpn2_packed").verify_route.name == "gemm.nvfp4.qpn2"
+
+    copy, verify = sides["copy"]
+    # the copy keeps its served route's resident form: one weight copy, as the route's own gate
+    assert shares_resident_weights(copy, verify)
+    assert not shares_resident_weights(*sides["verify_path"])
+    weights = (verify.prepare(_weight(256, 128)), verify.prepare(_weight(128, 128)))
+    x = make_x(3, 128, seed=3, dtype=torch.float32, device=torch.device("cpu"))
+    bare = declared.get("gemm.nvfp4.qpn2").implementation()
+    on, off, direct = (_verify_step(impl, x, *weights) for impl in (copy, verify, bare))
+    for step in (on, off, direct):
+        step()  # first calls build each route's op arguments
+    assert _python_calls(on) == _python_calls(off)
+    assert len(_python_calls(direct)) < len(_python_calls(off))  # what the wrapper costs
+    with hits.counting() as enabled:
+        on()
+    with hits.counting() as disabled:
+        off()
+    assert disabled.as_json() == {"gemm.nvfp4.qpn2/small_m": 2}  # the verify route's own hits
+    check_same_kernels(copy.name, enabled, disabled, "copy")
+    wrong, _ = sides["verify_path"]
+    with hits.counting() as other:
+        _verify_step(wrong, x, *(wrong.prepare(_weight(256, 128)),
+                                 wrong.prepare(_weight(128, 128))))()
+    with pytest.raises(AssertionError, match="route hits differ"):
+        check_same_kernels(wrong.name, other, disabled, "verify_path")
+
+
 # ------------------------------------------------------------------------------ engine
 
 @pytest.fixture(scope="module")

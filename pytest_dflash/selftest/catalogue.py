@@ -28,6 +28,14 @@ policy, so a self-test on one machine is comparable with one on another:
 Route names: ``<route>~copy`` and ``<route>~<defect>``. The planted routes are candidates of the
 route's family with the route's baseline, so verdicts, figures and reports treat them like any
 other route.
+
+Every planted route serves its calls through a Python wrapper (``wrappers.py``), which costs a
+few microseconds per call. A validation_cost gate compares its candidate with the family's
+verify route, and a quick-size verify step is tens of microseconds, so that cost alone would
+read as a regression. The planted routes of such a gate are therefore compared with
+``<verify route>~passthrough``: the verify route behind the same wrapper, with no defect, whose
+hits keep the verify route's own name (``Planted.hits_as``), so the gate's route-hit comparison
+is the same as for the route itself. Only the planted defect differs between the two sides.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from pytest_dflash.registry import Route
 
 SEPARATOR = "~"
 COPY = "copy"
+PASS_THROUGH = "passthrough"  # the verify route behind the planted routes' wrapper, no defect
 ATTN, GEMM, GEOMETRY = "attn.d256", "gemm.nvfp4", "prefill.geometry"
 PARITY_SCALE = 1.0 + 2.0**-9
 DEGENERATE_EVERY = 4
@@ -107,26 +116,44 @@ def catalogue(policy: Any) -> tuple[Defect, ...]:
 
 @dataclass(frozen=True)
 class Planted:
-    """A self-test route: the copy (``defect`` None) or one planted defect of ``original``."""
+    """A self-test route: the copy (``defect`` None) or one planted defect of ``original``; or,
+    with ``pass_through``, the verify route ``original`` behind the same wrapper (no defect),
+    which the planted routes' validation_cost gates compare them with."""
 
     name: str
     original: Route
     serves: Route  # the route whose code serves the calls
     defect: Defect | None
+    pass_through: bool = False
 
     @property
     def key(self) -> str:
+        if self.pass_through:
+            return PASS_THROUGH
         return COPY if self.defect is None else self.defect.key
 
     @property
     def gates(self) -> tuple[str, ...]:
+        if self.pass_through:
+            return ()  # never judged itself: it is the other side of its planted routes' gates
         if self.defect is not None:
             return (self.defect.kind,)
         return tuple(k for k in self.original.gates if k in KINDS)
 
     @property
     def what(self) -> str:
+        if self.pass_through:
+            return (f"{self.serves.name} behind the self-test wrapper, no defect: the verify "
+                    "side of planted routes' validation_cost gates")
         return "unchanged copy" if self.defect is None else self.defect.what
+
+    @property
+    def hits_as(self) -> str:
+        """The name the served route's hits are recorded under. A planted route records them
+        as itself, so the gates see it as the route that ran. A pass-through records them as
+        the served verify route, so the gate's "same kernels with the candidate on and off"
+        check compares the candidate's hits with the verify route's, as for the route itself."""
+        return self.serves.name if self.pass_through else self.name
 
 
 def planted_name(route_name: str, key: str) -> str:
@@ -146,7 +173,8 @@ def verdict_routes(routes: dict[str, Any]) -> dict[str, Any]:
 
 
 def plan(candidates: Iterable[Route], registry: Any, policy: Any) -> list[Planted]:
-    """The copy and the applicable defects of every candidate that has a catalogued gate."""
+    """The copy and the applicable defects of every candidate that has a catalogued gate, then
+    the pass-through of each verify route that a planted validation_cost gate compares with."""
     defects = catalogue(policy)
     planted: list[Planted] = []
     for route in candidates:
@@ -158,7 +186,19 @@ def plan(candidates: Iterable[Route], registry: Any, policy: Any) -> list[Plante
                 continue
             serves = registry.get(route.baseline) if defect.serves == "baseline" else route
             planted.append(Planted(planted_name(route.name, defect.key), route, serves, defect))
+    for name in dict.fromkeys(filter(None, (pass_through_of(p, registry) for p in planted))):
+        verify = registry.get(original_of(name))
+        planted.append(Planted(name, verify, verify, None, pass_through=True))
     return planted
+
+
+def pass_through_of(planted: Planted, registry: Any) -> str | None:
+    """The name of the pass-through that ``planted``'s validation_cost gate compares it with,
+    or None when it has no such gate (or its family declares no verify route)."""
+    if planted.pass_through or "validation_cost" not in planted.gates:
+        return None
+    verify = registry.family_of(planted.original.family).verify_route
+    return planted_name(verify, PASS_THROUGH) if verify is not None else None
 
 
 def as_route(planted: Planted, registry: Any, policy: Any) -> Route:
@@ -169,7 +209,9 @@ def as_route(planted: Planted, registry: Any, policy: Any) -> Route:
     engine = {family: planted.name if name == original.name else name
               for family, name in original.engine.items()}
     return Route(
-        planted.name, original.family, "candidate", baseline=original.baseline,
+        planted.name, original.family, "candidate",
+        baseline=original.baseline or registry.family_of(original.family).baseline,
         gates=planted.gates, impl=implementation_for(planted, registry, policy), engine=engine,
         probe=original.probe, switch=re.sub(r"\W", "_", f"DFLASH_SELFTEST_{planted.name}").upper(),
-        description=f"self-test of {original.name}: {planted.what}")
+        description=f"self-test of {original.name}: {planted.what}",
+        verify_route=pass_through_of(planted, registry))

@@ -5,10 +5,16 @@ own name (``hits.renamed``), so the gates' route-hit checks see the planted rout
 that ran, exactly as they see any candidate; hits of shared kernels keep their own names. The
 served route's implementation is resolved on first use, so registering the self-test imports
 nothing heavy.
+
+A pass-through (``Planted.pass_through``) is the same wrapper with no defect around a verify
+route, renaming that route's hits to its own name: it pays the very per-call path a planted
+route pays (the ``renamed`` block, the defect checks), so a validation_cost gate comparing a
+planted route with it measures the planted defect, not the wrapper.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pytest_dflash import hits
@@ -34,6 +40,7 @@ class _Wrapper:
         self.slowdown = Slowdown(slow) if slow else None
         self._registry = registry
         self._impl: Any = None
+        self._hits = (planted.serves.name, planted.hits_as)  # read on every call
 
     @property
     def impl(self) -> Any:
@@ -41,8 +48,8 @@ class _Wrapper:
             self._impl = self.planted.serves.implementation()
         return self._impl
 
-    def _served(self):
-        return hits.renamed(self.planted.serves.name, self.name)
+    def _served(self) -> hits.renamed:
+        return hits.renamed(*self._hits)
 
     def __repr__(self) -> str:
         return f"<self-test {self.name}: {self.planted.what}>"
@@ -121,11 +128,19 @@ class GemmSelftest(_Wrapper):
     def other(self) -> Any:
         return self._registry.get(self.planted.original.baseline).implementation()
 
-    def prepare(self, w: Any) -> Any:
-        own = self.impl.prepare(w)
+    @property
+    def prepare(self) -> Callable[[Any], Any]:
+        """The served route's own bound ``prepare``, unless the defect plants another resident
+        form. Whether two routes share resident weights is judged by their prepare function
+        (``shares_resident_weights`` in the gemm suites): the wrapper must not hide that the
+        planted route keeps its served route's form, or a copy and the pass-through of the
+        verify route would be gated with two weight copies where the route itself has one."""
         if self.defect == "verify_path":
-            return _TwoPaths(own, self.other.prepare(w))
-        return own
+            return self._prepare_two_paths
+        return self.impl.prepare
+
+    def _prepare_two_paths(self, w: Any) -> _TwoPaths:
+        return _TwoPaths(self.impl.prepare(w), self.other.prepare(w))
 
     def linear(self, x, prepared):
         return self._call("linear", x, prepared)
