@@ -39,6 +39,11 @@ GROUPS_ENV = "DFLASH_GPU_GROUPS"
 # host, and the host-bound parts of a gate (kernel launches, oracles, the sandbox) slow down and
 # grow noisier, which costs timing gates rounds.
 THREADS_ENV = "OMP_NUM_THREADS"
+# Set per worker through its execnet spec, with THREADS_ENV: the cores this worker runs on
+# (comma-separated CPU ids), a disjoint share of the controller's. A host-bound timing gate (an
+# engine's verify rounds launch hundreds of small kernels) loses rounds to the other workers'
+# threads migrating onto its core; pinning keeps each worker's threads on cores of its own.
+CPUS_ENV = "DFLASH_WORKER_CPUS"
 # Gate kinds by how long their tests usually take on a GPU, longest first (full profile, one
 # H200: an engine verify-cost gate 70-165 s, a cold-prefill speed gate 50-110 s, quality 56 s,
 # the loader fixture 16 s, ppl 6 s, a parity test a few seconds). Workers hand their tests to the
@@ -216,21 +221,55 @@ def threads_per_worker(workers: int, cpus: int | None = None) -> int:
     return max(1, cpus // max(1, workers))
 
 
+def core_shares(workers: int, cpus: Sequence[int] | None = None) -> list[list[int]] | None:
+    """Disjoint, contiguous, equal shares of ``cpus`` (default: the cores this process may
+    use), one per worker; None when there are fewer cores than workers (nothing to pin)."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if workers < 1 or len(cpus) < workers:
+        return None
+    share = len(cpus) // workers
+    return [cpus[i * share:(i + 1) * share] for i in range(workers)]
+
+
+def pin_worker(environ: Mapping[str, str] | None = None) -> list[int] | None:
+    """Inside a worker: run this process (and the threads it starts) on the cores its spec
+    named, and return them; None when the controller named none."""
+    env = os.environ if environ is None else environ
+    text = env.get(CPUS_ENV)
+    if not text:
+        return None
+    try:
+        cpus = sorted({int(c) for c in text.split(",")})
+    except ValueError:
+        raise GpuError(f"{CPUS_ENV}={text!r} is not a list of CPU ids; unset it") from None
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        raise GpuError(f"{CPUS_ENV}={text!r}: cannot run on those cores ({exc}); unset it or "
+                       f"set {THREADS_ENV} to share the cores yourself") from None
+    return cpus
+
+
 def schedule_rank(kind: str | None) -> int:
     """Position of a gate kind in :data:`LONGEST_FIRST` (tests of no gate last)."""
     return LONGEST_FIRST.index(kind) if kind in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
-def worker_spec(spec: str, slot: int, gpu: Gpu, threads: int | None = None) -> str:
+def worker_spec(spec: str, slot: int, gpu: Gpu, threads: int | None = None,
+                cpus: Sequence[int] | None = None) -> str:
     """An execnet spec that starts the worker with only ``gpu`` visible (before any import),
-    and with ``threads`` torch CPU threads when given."""
+    with ``threads`` torch CPU threads and on the cores ``cpus`` when given."""
     if not spec.startswith("popen") and "//popen" not in spec:
         raise GpuError(f"--tx {spec}: GPUs are assigned to local (popen) workers only; use -n N")
     if f"env:{VISIBLE_ENV}=" in spec or f"env:{SLOT_ENV}=" in spec:
         raise GpuError(f"--tx {spec} sets {VISIBLE_ENV} itself; let pytest-dflash assign the "
                        "GPUs or run without -n")
     spec = f"{spec}//env:{VISIBLE_ENV}={gpu.uuid}//env:{SLOT_ENV}={slot}"
-    return spec if threads is None else f"{spec}//env:{THREADS_ENV}={threads}"
+    if threads is not None:
+        spec = f"{spec}//env:{THREADS_ENV}={threads}"
+    if cpus:
+        spec = f"{spec}//env:{CPUS_ENV}={','.join(map(str, cpus))}"
+    return spec
 
 
 # ---------------------------------------------------------------- inside a worker

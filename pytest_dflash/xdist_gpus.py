@@ -10,7 +10,8 @@ with those groups) hands out whole groups. The groups do not travel as ``xdist_g
 with pytest 9.2 xdist's mark-to-node-id mechanism silently stops grouping (pytest-xdist issue
 1386), and it would also rename the tests in the report. ``-n auto`` means one worker per
 visible GPU. The workers hand their tests over longest gate kind first
-(``gpus.LONGEST_FIRST``) and each gets its share of the host's cores for torch's CPU threads.
+(``gpus.LONGEST_FIRST``) and each runs on a share of the host's cores of its own (pinned,
+one torch CPU thread per core).
 
 Registered by the ``pytest11`` entry point ``dflash-gpus``; it acts only where the main plugin is
 active. Without GPUs (or with ``--dflash-device cpu``) nothing changes: timing gates stay refused
@@ -97,9 +98,15 @@ def _configure_controller(config: pytest.Config) -> None:
             "--dist load (or loadgroup)")
     try:
         cards = gpus.plan(found, len(specs))
-        # the caller's own thread setting, if any, reaches the workers by inheritance
-        threads = None if gpus.THREADS_ENV in os.environ else gpus.threads_per_worker(len(cards))
-        config.option.tx = [gpus.worker_spec(specs[slot], slot, gpu, threads)
+        # the caller's own thread setting, if any, reaches the workers by inheritance, and
+        # then the caller shares the cores out too; otherwise each worker gets its own cores
+        # and one torch thread per core
+        shares, threads = None, None
+        if gpus.THREADS_ENV not in os.environ:
+            shares = gpus.core_shares(len(cards))
+            threads = len(shares[0]) if shares else gpus.threads_per_worker(len(cards))
+        config.option.tx = [gpus.worker_spec(specs[slot], slot, gpu, threads,
+                                             shares[slot] if shares else None)
                             for slot, gpu in enumerate(cards)]
     except gpus.GpuError as exc:
         raise pytest.UsageError(f"pytest-dflash: {exc}") from None
@@ -114,6 +121,7 @@ def _configure_controller(config: pytest.Config) -> None:
 def _configure_worker(config: pytest.Config) -> None:
     try:
         config.stash[WORKER_GPU] = gpus.worker_gpu()
+        gpus.pin_worker()
     except gpus.GpuError as exc:
         raise pytest.UsageError(f"pytest-dflash: {exc}") from None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -106,11 +107,16 @@ def test_plan_one_card_per_worker_refuses_too_many_workers_and_mixed_models() ->
         gpus.plan([], 1)
 
 
-def test_threads_are_shared_out_and_longest_gate_kinds_go_first() -> None:
+def test_threads_and_cores_are_shared_out_and_longest_gate_kinds_go_first() -> None:
     assert gpus.threads_per_worker(2, cpus=32) == 16
     assert gpus.threads_per_worker(3, cpus=2) == 1
     assert gpus.worker_spec("popen", 0, H200[0], threads=16).endswith(
         "//env:DFLASH_GPU_SLOT=0//env:OMP_NUM_THREADS=16")
+    assert gpus.core_shares(2, cpus=[7, 0, 1, 6, 2, 5, 3, 4]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert gpus.core_shares(3, cpus=range(8)) == [[0, 1], [2, 3], [4, 5]]
+    assert gpus.core_shares(3, cpus=[0, 1]) is None
+    assert gpus.worker_spec("popen", 1, H200[1], threads=2, cpus=[2, 3]).endswith(
+        "//env:OMP_NUM_THREADS=2//env:DFLASH_WORKER_CPUS=2,3")
     kinds = ["parity", None, "ppl", "speed", "quality", "loader", "validation_cost"]
     assert sorted(kinds, key=gpus.schedule_rank) == [
         "validation_cost", "speed", "quality", "loader", "ppl", "parity", None]
@@ -201,7 +207,8 @@ def pytest_runtest_setup(item):
                               os.environ.get("DFLASH_GPU_SLOT", "-"),
                               os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
                               IMPORT_TIME_VISIBLE or "-", server,
-                              os.environ.get("OMP_NUM_THREADS", "-")]) + "\\n")
+                              os.environ.get("OMP_NUM_THREADS", "-"),
+                              ",".join(map(str, sorted(os.sched_getaffinity(0))))]) + "\\n")
 """
 
 TOYIMPL = """
@@ -248,9 +255,16 @@ def test_two_fake_gpus_two_workers_each_own_one_and_gates_stay_on_one_card(
     rows = _log(toy)
     assert len(rows) == 3 + 3 * 4
     cards_of_worker = collections.defaultdict(set)
-    for nodeid, worker, slot, visible, at_import, server, threads in rows:
-        # each worker got its share of the host's cores for torch's CPU threads
-        assert threads == str(gpus.threads_per_worker(2)), (nodeid, threads)
+    cores_of_worker = collections.defaultdict(set)
+    shares = gpus.core_shares(2)
+    for nodeid, worker, slot, visible, at_import, server, threads, cores in rows:
+        # each worker runs on its own share of the host's cores, one torch thread per core
+        if shares is None:  # fewer cores than workers: nothing to pin
+            assert threads == "1", (nodeid, threads)
+        else:
+            assert cores == ",".join(map(str, shares[int(slot)])), (nodeid, slot, cores)
+            assert threads == str(len(shares[int(slot)])), (nodeid, threads)
+        cores_of_worker[worker].add(cores)
         # the card was set before the worker imported anything (conftest import time), and a
         # server the worker starts sees that card only
         assert visible == at_import == server == f"GPU-fake-{slot}", (nodeid, worker, visible,
@@ -259,6 +273,7 @@ def test_two_fake_gpus_two_workers_each_own_one_and_gates_stay_on_one_card(
     assert all(len(cards) == 1 for cards in cards_of_worker.values()), cards_of_worker
     owners = [next(iter(c)) for c in cards_of_worker.values()]
     assert len(owners) == len(set(owners)), f"two workers share a card: {cards_of_worker}"
+    assert all(len(cores) == 1 for cores in cores_of_worker.values()), cores_of_worker
     # every timing gate (route, speed) is one xdist group: all its tests ran on one worker
     speed = [r for r in rows if "test_speed" in r[0]]
     by_gate = collections.defaultdict(set)
@@ -311,7 +326,8 @@ def test_cpu_device_keeps_plain_xdist(toy: pytest.Pytester,
     result = toy.runpytest_subprocess("-n", "3", "--dflash-device", "cpu", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3, skipped=12)  # timing gates refused under xdist on the CPU
     assert "one GPU each" not in result.stdout.str()
-    assert {tuple(row[2:]) for row in _log(toy)} == {("-", "-", "-", "0,1", "-")}
+    every_core = ",".join(map(str, sorted(os.sched_getaffinity(0))))  # not pinned either
+    assert {tuple(row[2:]) for row in _log(toy)} == {("-", "-", "-", "0,1", "-", every_core)}
 
 
 def test_other_dist_modes_are_refused_in_gpu_mode(toy: pytest.Pytester,
@@ -327,3 +343,19 @@ def test_groups_travel_from_workers_to_the_scheduler(tmp_path: Path) -> None:
     gpus.write_groups(str(tmp_path), 1, {"a.py::t[r2-1]": gpus.group_name("r2", "speed")})
     assert gpus.read_groups(str(tmp_path)) == {"a.py::t[r1-1]": "dflash:r1:speed",
                                                "a.py::t[r2-1]": "dflash:r2:speed"}
+
+
+def test_a_worker_is_pinned_to_the_cores_its_spec_names_and_bad_values_are_refused() -> None:
+    before = os.sched_getaffinity(0)
+    one = min(before)
+    try:
+        assert gpus.pin_worker({gpus.CPUS_ENV: str(one)}) == [one]
+        assert os.sched_getaffinity(0) == {one}
+    finally:
+        os.sched_setaffinity(0, before)
+    assert gpus.pin_worker({}) is None
+    with pytest.raises(gpus.GpuError, match="not a list of CPU ids; unset it"):
+        gpus.pin_worker({gpus.CPUS_ENV: "0,x"})
+    with pytest.raises(gpus.GpuError, match="cannot run on those cores"):
+        gpus.pin_worker({gpus.CPUS_ENV: "100000"})
+    assert os.sched_getaffinity(0) == before
