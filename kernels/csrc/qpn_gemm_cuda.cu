@@ -5,16 +5,23 @@
 // accumulate), vendor GEMM through ATen's cuBLAS wrapper; no bf16, no cp.async, no ldmatrix-only
 // paths, no TMA or wgmma.
 //
-// qpn2 (small M, <= 32 rows per pass): one block per (32-column tile, K split), 8 warps; lane c
-// of a warp owns column c of the tile and each warp takes every 8th group of the split, so every
-// code byte and scale is read from memory exactly once per pass. fp16 inputs: the lane decodes
-// its 16 codes to fp16 values e2m1 * e4m3 * 2^-7 (exact: at most 5 significant bits, all within
+// qpn2 (small M, <= 32 rows per pass): one block per (32-column tile, K split); lane c of a warp
+// owns column c of the tile and each warp takes every W-th group of the split, so every code byte
+// and scale is read from memory exactly once per pass. fp16 inputs (W = 4): the lane decodes its
+// 16 codes to fp16 values e2m1 * e4m3 * 2^-7 (exact: at most 5 significant bits, all within
 // fp16's range) into a per-warp staging tile, by bit placement in a k order of its own within
 // each group that x is staged in too, and the warp multiplies it with WMMA m8n32k16 against the
-// rows of x (fp32 accumulators); fp32 inputs: the same walk with fp32 FMAs. The 8
-// warps' accumulators are summed in warp order, the K splits in split order by the finishing
-// kernel, which also applies the global scale (and 2^7) in fp32, the SiLU gate and the cast: a
-// fixed reduction order, bitwise identical run to run on one device.
+// rows of x (fp32 accumulators); fp32 inputs (W = 8): the same walk with fp32 FMAs. The warps'
+// accumulators are summed in warp order, the K splits in split order by the finishing kernel,
+// which also applies the global scale (and 2^7) in fp32, the SiLU gate and the cast: a fixed
+// reduction order, bitwise identical run to run on one device.
+//
+// The fp16 kernel is bound by instruction issue and shared-memory traffic, not by DRAM (Nsight
+// Compute on an H200, gate/up M = 1: 0.76 warp instructions issued per scheduler cycle, L1/shared
+// 76% busy, DRAM 23%), so its shape cuts both: the scale is decoded by bit placement too (no
+// float conversion, no branch), the staging rows are padded to 24 halves (a 16-half row put 8
+// lanes on one bank group), x rows are padded off a 128-byte multiple, and 4-warp blocks of
+// ~64 groups fit 9 blocks per SM. Measured variants: docs/qpn.md.
 //
 // qpn4_bounded (large M): a chunk of whole tiles of the QPN4 view is dequantized into the
 // bounded workspace (fp16 for fp16 inputs: e2m1 x fp16 pre-scaled scale with its 2^14 bias, or
@@ -36,8 +43,13 @@
 namespace dflash_qpn {
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 8;               // fp32 (SIMT) small-M kernel
 constexpr int kThreads = kWarps * 32;
+constexpr int kWmmaWarps = 4;           // fp16 (WMMA) small-M kernel
+constexpr int kWmmaThreads = kWmmaWarps * 32;
+constexpr int kStageLd = 24;            // halves per staged column: 16 codes + 8 padding
+constexpr int kStageBytes = 32 * kStageLd * 2;  // one warp's staging tile
+constexpr int64_t kWmmaGroupsPerSplit = 64;     // K groups per block of the fp16 kernel
 constexpr int kSmemBytes = 48 * 1024;  // default dynamic shared memory limit, every SM70+ GPU
 
 __device__ __forceinline__ float e4m3_to_float(uint32_t b) {
@@ -50,6 +62,23 @@ __device__ __forceinline__ float e2m1_to_float(uint32_t nib) {
   const uint32_t e = (nib >> 1) & 3, m = nib & 1;
   const float mag = e ? __uint_as_float(((e + 126u) << 23) | (m << 22)) : 0.5f * m;
   return (nib & 8) ? -mag : mag;
+}
+
+// e4m3 byte b times 2^7 as an fp16 pair, exactly and without a branch: b's 7 magnitude bits
+// placed as fp16 exponent/mantissa (and its sign as fp16's) read as e4m3 * 2^-8, normal and
+// subnormal alike (both formats' subnormals line up at that shift); * 2^15 is exact in fp16 for
+// every e4m3 value (the largest, 480 * 2^7, is below 65504).
+__device__ __forceinline__ __half2 e4m3_x128_pair(uint32_t b) {
+  const uint32_t h = ((b & 0x7Fu) << 7) | ((b & 0x80u) << 8);
+  const uint32_t pair = h | (h << 16);
+  return __hmul2(*reinterpret_cast<const __half2*>(&pair), __float2half2_rn(32768.0f));
+}
+
+// Row stride (halves) of a block's staged x: whole groups plus one, moved off a multiple of 64
+// halves (128 bytes), where the 8 rows of a WMMA A fragment would all fall on one bank group.
+__host__ __device__ __forceinline__ int x_stage_ld(int64_t groups) {
+  const int ld = static_cast<int>(groups) * 16 + 16;
+  return ld % 64 == 0 ? ld + 16 : ld;
 }
 
 // The 8 codes of word w (code i in bits 4i..4i+3, i.e. k = i of this word) as 4 fp16 pairs:
@@ -84,15 +113,16 @@ struct SmallMArgs {
 };
 
 template <int MB>  // 8-row blocks (rows <= 8 * MB)
-__global__ void __launch_bounds__(kThreads) qpn2_wmma_kernel(SmallMArgs a) {
+__global__ void __launch_bounds__(kWmmaThreads) qpn2_wmma_kernel(SmallMArgs a) {
   using namespace nvcuda;
+  constexpr int kWarps = kWmmaWarps, kThreads = kWmmaThreads;
   extern __shared__ __align__(32) unsigned char smem[];
   const int t = blockIdx.x, s = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t g0 = s * a.groups_per_split;
   const int ng = static_cast<int>(min(a.groups_per_split, a.groups - g0));
-  const int ld = ng * 16 + 16;  // halves; a multiple of 16 keeps every fragment 32-byte aligned
+  const int ld = x_stage_ld(a.groups_per_split);  // a multiple of 16: fragments 32-byte aligned
   __half* xs = reinterpret_cast<__half*>(smem);                       // [MB * 8][ld]
-  __half* stage = xs + MB * 8 * ld + warp * 512;                       // [32 cols][16 k]
+  __half* stage = xs + MB * 8 * ld + warp * (32 * kStageLd);          // [32 cols][kStageLd]
   const uint8_t* codes = a.buffer + ((t * a.groups + g0) * 32 + lane) * 8;
   const uint8_t* scales = a.scales + (t * a.groups + g0) * 32 + lane;
   constexpr int kAhead = 4;  // groups per batch; the next batch's loads fly while this one runs
@@ -129,8 +159,7 @@ __global__ void __launch_bounds__(kThreads) qpn2_wmma_kernel(SmallMArgs a) {
     for (int u = 0; u < kAhead; ++u) {
       const int gl = base + u * kWarps;
       if (gl >= ng) break;
-      // e4m3 * 2^7 in fp16 (exact: 2^-2 .. 57344)
-      const __half2 s2 = __float2half2_rn(e4m3_to_float(sb[u]) * 128.0f);
+      const __half2 s2 = e4m3_x128_pair(sb[u]);  // e4m3 * 2^7 in fp16, exact
       uint32_t h[8];
       e2m1_word_pairs(code[u].x, h);
       e2m1_word_pairs(code[u].y, h + 4);
@@ -141,12 +170,12 @@ __global__ void __launch_bounds__(kThreads) qpn2_wmma_kernel(SmallMArgs a) {
         h[j] = *reinterpret_cast<uint32_t*>(&v);
       }
       __syncwarp();
-      uint4* dst = reinterpret_cast<uint4*>(stage + lane * 16);
+      uint4* dst = reinterpret_cast<uint4*>(stage + lane * kStageLd);
       dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
       dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
       __syncwarp();
       wmma::fragment<wmma::matrix_b, 8, 32, 16, __half, wmma::col_major> bf;
-      wmma::load_matrix_sync(bf, stage, 16);
+      wmma::load_matrix_sync(bf, stage, kStageLd);
 #pragma unroll
       for (int b = 0; b < MB; ++b) {
         wmma::fragment<wmma::matrix_a, 8, 32, 16, __half, wmma::row_major> af;
@@ -291,13 +320,13 @@ int64_t groups_per_split(const Geometry& g, int64_t max_groups) {
 }
 
 template <typename Kernel>
-void launch_small_m(Kernel kernel, const SmallMArgs& a, int64_t splits, size_t smem,
+void launch_small_m(Kernel kernel, int threads, const SmallMArgs& a, int64_t splits, size_t smem,
                     cudaStream_t stream) {
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
   }
-  kernel<<<dim3(static_cast<unsigned>(a.n_padded / 32), static_cast<unsigned>(splits)), kThreads,
+  kernel<<<dim3(static_cast<unsigned>(a.n_padded / 32), static_cast<unsigned>(splits)), threads,
            smem, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -313,11 +342,15 @@ std::pair<at::Tensor, float> small_m_pass(const at::Tensor& x, int64_t r0, int64
   size_t smem;
   if (half) {
     const int mb = rows_pad / 8;
-    // xs: [8 mb][16 per + 16] halves, then 8 staging tiles of 1 KiB; reduction: 8 warps x 8 mb x 32 fp32
-    const int64_t max_groups = ((kSmemBytes - kWarps * 1024) / (2 * 8 * mb) - 16) / 16;
-    per = groups_per_split(g, max_groups);
-    const size_t xs = size_t(8 * mb) * (per * 16 + 16) * 2 + kWarps * 1024;
-    smem = std::max(xs, size_t(kWarps) * 8 * mb * 32 * 4);
+    // xs: [8 mb][x_stage_ld(per)] halves, then a staging tile per warp; reduction: warps x 8 mb
+    // x 32 fp32. ~64 groups per block: the measured optimum on the target shapes (docs/qpn.md).
+    const int64_t max_groups =
+        ((kSmemBytes - kWmmaWarps * kStageBytes) / (2 * 8 * mb) - 32) / 16;
+    const int64_t splits = (g.groups + std::min(kWmmaGroupsPerSplit, max_groups) - 1) /
+                           std::min(kWmmaGroupsPerSplit, max_groups);
+    per = (g.groups + splits - 1) / splits;  // the same number of groups in every split
+    const size_t xs = size_t(8 * mb) * x_stage_ld(per) * 2 + kWmmaWarps * kStageBytes;
+    smem = std::max(xs, size_t(kWmmaWarps) * 8 * mb * 32 * 4);
   } else {
     const int mr = rows_pad <= 8 ? 8 : rows_pad <= 16 ? 16 : 32;
     const int64_t max_groups = kSmemBytes / (4 * mr * 16);
@@ -332,16 +365,16 @@ std::pair<at::Tensor, float> small_m_pass(const at::Tensor& x, int64_t r0, int64
                g.n_padded, partials.data_ptr<float>()};
   if (half) {
     switch (rows_pad / 8) {
-      case 1: launch_small_m(qpn2_wmma_kernel<1>, a, splits, smem, stream); break;
-      case 2: launch_small_m(qpn2_wmma_kernel<2>, a, splits, smem, stream); break;
-      case 3: launch_small_m(qpn2_wmma_kernel<3>, a, splits, smem, stream); break;
-      default: launch_small_m(qpn2_wmma_kernel<4>, a, splits, smem, stream); break;
+      case 1: launch_small_m(qpn2_wmma_kernel<1>, kWmmaThreads, a, splits, smem, stream); break;
+      case 2: launch_small_m(qpn2_wmma_kernel<2>, kWmmaThreads, a, splits, smem, stream); break;
+      case 3: launch_small_m(qpn2_wmma_kernel<3>, kWmmaThreads, a, splits, smem, stream); break;
+      default: launch_small_m(qpn2_wmma_kernel<4>, kWmmaThreads, a, splits, smem, stream); break;
     }
     return {partials, static_cast<float>(global_scale * 128.0)};
   }
-  if (rows_pad <= 8) launch_small_m(qpn2_simt_kernel<8>, a, splits, smem, stream);
-  else if (rows_pad <= 16) launch_small_m(qpn2_simt_kernel<16>, a, splits, smem, stream);
-  else launch_small_m(qpn2_simt_kernel<32>, a, splits, smem, stream);
+  if (rows_pad <= 8) launch_small_m(qpn2_simt_kernel<8>, kThreads, a, splits, smem, stream);
+  else if (rows_pad <= 16) launch_small_m(qpn2_simt_kernel<16>, kThreads, a, splits, smem, stream);
+  else launch_small_m(qpn2_simt_kernel<32>, kThreads, a, splits, smem, stream);
   return {partials, static_cast<float>(global_scale)};
 }
 
