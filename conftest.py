@@ -133,9 +133,9 @@ def run_child_json():
     """Run Python ``code`` in a fresh interpreter and return the JSON its last stdout line holds:
     ``run_child_json(code, timeout_s=300) -> object``.
 
-    For calls that must raise a clear error, where a native crash instead (on the CUDA build of
-    the bundled library, some refused op calls end in SIGSEGV; docs/cuda.md) has to fail the one
-    test, naming the signal, rather than end the whole session."""
+    For calls that must raise a clear error, where a native crash instead (a library built
+    with a static libstdc++ once ended refused op calls in SIGSEGV; docs/cuda.md) has to fail
+    the one test, naming the signal, rather than end the whole session."""
 
     def run(code: str, timeout_s: float = 300) -> object:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -60,6 +60,13 @@ NVCC_TORCH_FLAGS: tuple[str, ...] = (
 _TORCH_INCLUDE = re.compile(r'^\s*#\s*include\s*<(?:ATen|c10|torch)/', re.MULTILINE)
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 LIBRARY_STEM = "libdflash_d256"
+# The C++ runtime, named as the shared object, ahead of whatever g++ appends itself. The library
+# must use the process's libstdc++: on the H200 image (CXX=/opt/gcc/bin/g++, a GCC of its own)
+# g++ linked libstdc++ in statically, so the library carried a private copy whose locale was
+# never initialised, and formatting any error message that holds a number crashed the process
+# (SIGSEGV in std::ostream::_M_insert<long>) instead of raising (docs/cuda.md). Named first, the
+# shared object resolves every C++ runtime symbol and no archive member is pulled in.
+SHARED_CPP_RUNTIME = "-l:libstdc++.so.6"
 CUDA_ARCH_ENV = "DFLASH_CUDA_ARCH"
 _ARCH_TOKEN = re.compile(r"^(?:(sm|compute)_(\d{2,3})|(\d+)\.(\d))$")
 
@@ -256,12 +263,21 @@ def _torch_link_flags(cuda: CudaPlan) -> list[str]:
     import torch
 
     lib_dir = Path(torch.__file__).resolve().parent / "lib"
-    flags = [f"-L{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch"]
+    flags = [f"-L{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch", SHARED_CPP_RUNTIME]
     if cuda.enabled:
-        home = Path(cuda.cuda_home or "")
-        flags += [f"-L{d}" for d in (home / "lib64", home / "lib") if d.is_dir()]
-        flags += ["-lc10_cuda", "-ltorch_cuda", "-lcudart"]
+        flags += ["-lc10_cuda", "-ltorch_cuda", _cudart(Path(cuda.cuda_home or ""))]
     return [*flags, f"-Wl,-rpath,{lib_dir}"]
+
+
+def _cudart(home: Path) -> str:
+    """The toolkit's ``libcudart.so`` by path (``-lcudart`` if the toolkit has none), so no
+    toolkit folder joins the linker's search path, where g++ also looks for the runtimes it adds
+    itself. The library records the SONAME (``libcudart.so.13``): at run time it is the runtime
+    torch already loaded."""
+    for folder in (home / "lib64", home / "lib", *sorted((home / "targets").glob("*/lib"))):
+        if (folder / "libcudart.so").is_file():
+            return str(folder / "libcudart.so")
+    return "-lcudart"
 
 
 def _check_outside_sources(cache_dir: Path) -> None:

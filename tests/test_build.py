@@ -169,3 +169,37 @@ def test_concurrent_compiles_all_finish_and_the_failure_is_raised(tmp_path):
         build._run_concurrently([failing, slow_ok], tmp_path / "lib.so")
     assert (tmp_path / "slow.o").is_file()
     build._run_concurrently([slow_ok], tmp_path / "lib.so")
+
+
+def test_the_library_uses_the_shared_cpp_runtime():
+    """The library must use the process's libstdc++.so.6, never a private static copy: built by
+    the H200 image's own GCC it once linked libstdc++ in statically, and the copy's uninitialised
+    locale crashed every error message holding a number (docs/cuda.md). Where pytest runs on a
+    CUDA machine this checks the CUDA build."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("needs readelf (binutils) to read the library's dynamic section")
+    lib = build.build_library("full")
+    dynamic = subprocess.run([readelf, "-d", "-W", str(lib)], capture_output=True, text=True,
+                             check=True, timeout=60).stdout
+    assert "[libstdc++.so.6]" in dynamic, dynamic
+    symbols = subprocess.run([readelf, "--dyn-syms", "-W", str(lib)], capture_output=True,
+                             text=True, check=True, timeout=60).stdout
+    defined = [line for line in symbols.splitlines()
+               if "_ZNSo9_M_insertIlEERSoT_" in line and " UND " not in line]
+    assert not defined, f"the library defines libstdc++'s ostream itself: {defined}"
+
+
+def test_cuda_runtime_is_linked_by_path_not_through_the_toolkit_folders(tmp_path):
+    (tmp_path / "lib64").mkdir()
+    (tmp_path / "lib64" / "libcudart.so").write_bytes(b"")
+    assert build._cudart(tmp_path) == str(tmp_path / "lib64" / "libcudart.so")
+    other = tmp_path / "other" / "targets" / "x86_64-linux" / "lib"
+    other.mkdir(parents=True)
+    assert build._cudart(tmp_path / "other") == "-lcudart"  # the system's, if any
+    (other / "libcudart.so").write_bytes(b"")
+    assert build._cudart(tmp_path / "other") == str(other / "libcudart.so")
+    plan = build.CudaPlan(True, "test", nvcc="nvcc", cuda_home=str(tmp_path), version="13.0")
+    flags = build._torch_link_flags(plan)
+    assert not [f for f in flags if f.startswith("-L") and str(tmp_path) in f], flags
+    assert str(tmp_path / "lib64" / "libcudart.so") in flags and build.SHARED_CPP_RUNTIME in flags

@@ -222,7 +222,7 @@ print(json.dumps(out))
 
 def test_op_argument_errors_name_the_problem(run_child_json) -> None:
     """Each bad call raises ValueError naming the problem. In a child interpreter: on a CUDA
-    build of the library, a refused call has been seen to crash the process (docs/cuda.md)."""
+    build linked with a static libstdc++, a refused call crashed the process (docs/cuda.md)."""
     for match, raised in run_child_json(_ARGUMENT_ERRORS).items():
         assert raised is not None, f"no error for the case {match!r}"
         kind, message = raised
