@@ -214,13 +214,6 @@ def decode_plan(text: str) -> list[Gpu]:
                        ) from None
 
 
-def threads_per_worker(workers: int, cpus: int | None = None) -> int:
-    """torch CPU threads for each of ``workers`` processes sharing ``cpus`` cores (at least 1)."""
-    if cpus is None:
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // max(1, workers))
-
-
 def core_shares(workers: int, cpus: Sequence[int] | None = None) -> list[list[int]] | None:
     """Disjoint, contiguous, equal shares of ``cpus`` (default: the cores this process may
     use), one per worker; None when there are fewer cores than workers (nothing to pin)."""

@@ -100,11 +100,11 @@ def _configure_controller(config: pytest.Config) -> None:
         cards = gpus.plan(found, len(specs))
         # the caller's own thread setting, if any, reaches the workers by inheritance, and
         # then the caller shares the cores out too; otherwise each worker gets its own cores
-        # and one torch thread per core
+        # and one torch thread per core (one thread, unpinned, with fewer cores than workers)
         shares, threads = None, None
         if gpus.THREADS_ENV not in os.environ:
             shares = gpus.core_shares(len(cards))
-            threads = len(shares[0]) if shares else gpus.threads_per_worker(len(cards))
+            threads = len(shares[0]) if shares else 1
         config.option.tx = [gpus.worker_spec(specs[slot], slot, gpu, threads,
                                              shares[slot] if shares else None)
                             for slot, gpu in enumerate(cards)]
