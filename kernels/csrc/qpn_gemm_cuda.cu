@@ -142,10 +142,12 @@ __global__ void __launch_bounds__(kWmmaThreads) qpn2_wmma_kernel(SmallMArgs a) {
   load_batch(warp, code, sb);  // the first weights fly while x is staged
 
   const __half* x = static_cast<const __half*>(a.x);
-  for (int i = threadIdx.x; i < MB * 8 * ng * 2; i += kThreads) {  // 8 halves per item
-    const int row = i / (ng * 2), col = (i % (ng * 2)) * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (row < a.rows) v = *reinterpret_cast<const uint4*>(x + row * a.k + g0 * 16 + col);
+  // Only the pass's rows are staged: the A fragments' rows past them hold whatever shared memory
+  // held, and feed only accumulator rows that are never written out (an MMA's output row depends
+  // on its own A row alone). At M = 1 this stages 1 row instead of 8.
+  for (int i = threadIdx.x; i < static_cast<int>(a.rows) * ng * 2; i += kThreads) {
+    const int row = i / (ng * 2), col = (i % (ng * 2)) * 8;  // 8 halves per item
+    const uint4 v = *reinterpret_cast<const uint4*>(x + row * a.k + g0 * 16 + col);
     *reinterpret_cast<uint4*>(xs + row * ld + col) = interleave_halves(v);
   }
   __syncthreads();
