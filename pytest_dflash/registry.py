@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from pytest_dflash.families import Family
-from pytest_dflash.vocabulary import ROLES, UnknownNameError, check_kind
+from pytest_dflash.vocabulary import GATE_KINDS, ROLES, UnknownNameError, check_kind
 
 
 class RegistryError(ValueError):
@@ -75,6 +75,13 @@ class Route:
             raise RegistryError(f"route {self.name!r}: {exc}") from None
         if self.role == "candidate" and not self.baseline:
             raise RegistryError(f"candidate route {self.name!r} must name its baseline")
+        if self.role == "candidate" and not self.gates:
+            # with nothing required, every gate it needs would have "run and passed": an accept
+            # that no test stands behind
+            raise RegistryError(
+                f"candidate route {self.name!r} declares no gates, so it could never be judged; "
+                f"name the gates it needs, e.g. gates=('parity', 'speed') (kinds: "
+                f"{', '.join(GATE_KINDS)})")
         if self.role == "candidate" and self.default_enabled:
             raise RegistryError(f"candidate route {self.name!r} must be default-off until accepted")
 

@@ -86,7 +86,7 @@ def test_geometry_routes_are_checked_against_the_family_contract():
     for name, impl in (("prefill.geometry.own", OwnGeometry()),
                        ("prefill.geometry.nochunk", NoChunk())):
         registry.register(Route(name, "prefill.geometry", "candidate",
-                                baseline="prefill.geometry.fp32_q3296", impl=impl))
+                                baseline="prefill.geometry.fp32_q3296", gates=("ppl",), impl=impl))
     own = build({"prefill.geometry": "prefill.geometry.own"}, "quick", registry=registry)
     assert own.chunk == 100 and own.prefill(long_ids(250)).chunks == 3
     with pytest.raises(EngineError, match=r"prefill\.geometry\.nochunk does not offer the "

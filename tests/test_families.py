@@ -110,7 +110,7 @@ def test_a_route_can_name_its_own_verify_route() -> None:
     """Like ``Route.baseline``, ``Route.verify_route`` overrides the family's for that route
     (the self-test compares a wrapped route with the verify route wrapped the same way)."""
     registry = _toy(verify_route="toy.mul.base")
-    registry.register(Route("toy.mul.other", "toy.mul", "candidate", baseline="toy.mul.base"))
+    registry.register(Route("toy.mul.other", "toy.mul", "baseline"))
     registry.register(Route("toy.mul.mine", "toy.mul", "candidate", baseline="toy.mul.base",
                             gates=("validation_cost",), verify_route="toy.mul.other"))
     registry.validate()
@@ -126,7 +126,7 @@ def test_a_routes_verify_route_must_be_a_route_of_its_family(name: str) -> None:
     registry = _toy(verify_route="toy.mul.base")
     registry.register(Route("toy.add.base", "toy.add", "baseline"))
     registry.register(Route("toy.mul.mine", "toy.mul", "candidate", baseline="toy.mul.base",
-                            verify_route=name))
+                            gates=("validation_cost",), verify_route=name))
     with pytest.raises(RegistryError, match=f"names verify_route '{name}', which is not a "
                                             "registered route of family 'toy.mul'"):
         registry.validate()

@@ -51,13 +51,17 @@ def test_usage_errors_name_what_exists(project: pytest.Pytester, args: list[str]
     ("extra", "expected"),
     [
         ('registry.register(Route("toy.mul.fast", "toy.mul", "candidate", '
-         'baseline="toy.mul.base"))', "*route 'toy.mul.fast' is registered twice*"),
-        ('registry.register(Route("toy.mul.x", "toy.mul", "candidate", baseline="toy.mul.gone"))',
-         "*names baseline 'toy.mul.gone', which is not registered*"),
+         'baseline="toy.mul.base", gates=("parity",)))',
+         "*route 'toy.mul.fast' is registered twice*"),
+        ('registry.register(Route("toy.mul.x", "toy.mul", "candidate", baseline="toy.mul.gone", '
+         'gates=("parity",)))', "*names baseline 'toy.mul.gone', which is not registered*"),
         ('registry.register(Route("toy.mul.y", "toy.mul", "candidate", baseline="toy.mul.base", '
          'gates=("sped",)))', "*unknown gate kind 'sped'*"),
         ('registry.register(Route("toy.mul.z", "toy.mul", "candidate", baseline="toy.mul.base", '
-         'default_enabled=True))', "*must be default-off until accepted*"),
+         'gates=("parity",), default_enabled=True))', "*must be default-off until accepted*"),
+        ('registry.register(Route("toy.mul.w", "toy.mul", "candidate", baseline="toy.mul.base"))',
+         "*candidate route 'toy.mul.w' declares no gates, so it could never be judged; name the "
+         "gates it needs*"),
     ],
 )
 def test_registration_errors(project: pytest.Pytester, extra: str, expected: str) -> None:

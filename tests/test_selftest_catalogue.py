@@ -243,7 +243,9 @@ def test_validation_cost_compares_planted_routes_with_the_verify_route_wrapped_a
     planted = _install(declared)
     through = [p.name for p in planted if p.pass_through]
     assert through == ["gemm.nvfp4.qpn2~passthrough"]  # one per verify route, never judged
-    assert declared.get(through[0]).gates == ()
+    helper = declared.get(through[0])
+    assert (helper.role, helper.gates) == ("baseline", ())  # a comparator: no verdict, no report
+    assert through[0] not in {r.name for r in declared.candidates()}
     sides = {}
     for p in planted:
         if "validation_cost" not in p.gates:
