@@ -69,7 +69,14 @@ def gate_figure(tests: list[Mapping[str, Any]], limit: int = 2) -> str:
 def route_verdict(
     required: Iterable[str], gates: Mapping[str, Mapping[str, Any]]
 ) -> tuple[str, list[str]]:
-    """accept / reject / pending with one reason per gate that is not passed."""
+    """accept / reject / pending with one reason per gate that is not passed.
+
+    A route that requires no gate stays pending: an accept needs tests that ran and passed
+    (the registry refuses such candidates; a report can still carry one, e.g. hand-edited).
+    """
+    required = list(required)
+    if not required:
+        return PENDING, ["requires no gate, so nothing ran for it: declare the gates it needs"]
     reasons: list[str] = []
     verdict = ACCEPT
     for kind in required:

@@ -62,6 +62,14 @@ def test_route_verdict_reject_beats_pending_and_names_each_gate() -> None:
     assert route_verdict(["parity"], {"parity": {"status": "passed", "tests": []}})[0] == "accept"
 
 
+def test_a_route_that_requires_no_gate_is_never_accepted() -> None:
+    """Vacuous truth: with nothing required, "every required gate passed" holds with no test
+    behind it. Such an entry (an old or hand-edited report) stays pending and says why."""
+    verdict, reasons = route_verdict([], {})
+    assert verdict == "pending"
+    assert reasons == ["requires no gate, so nothing ran for it: declare the gates it needs"]
+
+
 def test_add_test_replaces_by_node_id() -> None:
     data = _evidence()
     for outcome in ("failed", "passed"):
