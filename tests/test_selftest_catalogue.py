@@ -254,8 +254,8 @@ def test_validation_cost_compares_planted_routes_with_the_verify_route_wrapped_a
         gate = _gate(declared, p.name)
         verify = gate.verify_route.implementation()
         assert type(verify) is type(gate.impl), p.name  # the same wrapper on both sides
-        assert (verify.planted.serves.name, verify.defect, verify.slowdown) == (
-            "gemm.nvfp4.qpn2", None, None)
+        assert (verify.planted.serves.name, verify.defect, verify.slowdown.fraction) == (
+            "gemm.nvfp4.qpn2", None, 0.0)
         sides[p.key] = gate.impl, verify
     assert set(sides) == {"copy", "verify_path", "verify_cost_2pct"}
     # the route itself still meets the family's verify route, bare
@@ -268,10 +268,14 @@ def test_validation_cost_compares_planted_routes_with_the_verify_route_wrapped_a
     weights = (verify.prepare(_weight(256, 128)), verify.prepare(_weight(128, 128)))
     x = make_x(3, 128, seed=3, dtype=torch.float32, device=torch.device("cpu"))
     bare = declared.get("gemm.nvfp4.qpn2").implementation()
-    on, off, direct = (_verify_step(impl, x, *weights) for impl in (copy, verify, bare))
-    for step in (on, off, direct):
+    slowed = sides["verify_cost_2pct"][0]
+    on, off, direct, slow = (_verify_step(impl, x, *weights)
+                             for impl in (copy, verify, bare, slowed))
+    for step in (on, off, direct, slow):
         step()  # first calls build each route's op arguments
     assert _python_calls(on) == _python_calls(off)
+    # the planted slowdown differs from its comparison by the wait alone, not by bookkeeping
+    assert _python_calls(slow) == _python_calls(off)
     assert len(_python_calls(direct)) < len(_python_calls(off))  # what the wrapper costs
     with hits.counting() as enabled:
         on()
@@ -396,3 +400,19 @@ def test_too_few_rounds_never_resolve():
     report = _report({"r~slow_10pct": (["speed"], [[_test("failed", **_timing(1.2, 2))]])})
     gate = summary.summarize(report)["routes"]["r"]["speed"]
     assert gate["caught"] == 1 and gate["resolution"] is None
+
+
+def test_a_slowdown_of_zero_runs_the_call_once_and_bad_fractions_are_refused():
+    """The zero slowdown is what unslowed planted routes run through (the same host path as a
+    slowed one); a negative or absurd fraction is a usage error, not a silent no-op."""
+    from pytest_dflash.selftest.slowdown import Slowdown, wait_overhead_s
+
+    calls = []
+    assert Slowdown(0.0).run(lambda: calls.append(1) or "y", device="cpu", signature=()) == "y"
+    assert calls == [1]
+    for bad in (-0.01, 10.0):
+        with pytest.raises(ValueError, match=r"fraction in \[0, 10\)"):
+            Slowdown(bad)
+    overhead = wait_overhead_s()
+    assert 0.0 <= overhead == wait_overhead_s()  # measured once per process
+    assert Slowdown(0.02)._overhead_s == overhead and Slowdown(0.0)._overhead_s == 0.0

@@ -36,8 +36,9 @@ class _Wrapper:
         self.name = planted.name
         self.planted = planted
         self.defect = planted.defect.key if planted.defect else None
-        slow = planted.defect.slowdown if planted.defect else None
-        self.slowdown = Slowdown(slow) if slow else None
+        # every wrapper runs its calls through a Slowdown, 0 when nothing is planted: the
+        # same host path on both sides of a comparison (slowdown.py)
+        self.slowdown = Slowdown((planted.defect.slowdown if planted.defect else None) or 0.0)
         self._registry = registry
         self._impl: Any = None
         self._hits = (planted.serves.name, planted.hits_as)  # read on every call
@@ -79,11 +80,9 @@ class AttnSelftest(_Wrapper):
         with self._served():
             if self.defect == "gqa_heads":
                 self._wrong_heads(q, out, hkv, run)
-            elif self.slowdown is not None:
+            else:
                 self.slowdown.run(lambda: run(q, out), device=q.device,
                                   signature=(tuple(q.shape), q.dtype))
-            else:
-                run(q, out)
         if self.defect == "out_scaled":
             out.copy_((out.double() * PARITY_SCALE).to(out.dtype))
         if saved is not None:
@@ -161,12 +160,8 @@ class GemmSelftest(_Wrapper):
             x[:, -GROUP_K:] = 0
         with self._served():
             run = getattr(self.impl, call)
-            if self.slowdown is not None:
-                signature = (call, tuple(x.shape), x.dtype, getattr(prepared, "n", None))
-                y = self.slowdown.run(lambda: run(x, prepared), device=x.device,
-                                      signature=signature)
-            else:
-                y = run(x, prepared)
+            signature = (call, tuple(x.shape), x.dtype, getattr(prepared, "n", None))
+            y = self.slowdown.run(lambda: run(x, prepared), device=x.device, signature=signature)
         if self.defect == "out_scaled":
             y = (y.double() * PARITY_SCALE).to(y.dtype)
         elif self.defect == "row_unwritten" and y.shape[0]:
