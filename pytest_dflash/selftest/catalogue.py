@@ -206,12 +206,12 @@ def as_route(planted: Planted, registry: Any, policy: Any) -> Route:
     from pytest_dflash.selftest.wrappers import implementation_for
 
     original = planted.original
-    engine = {family: planted.name if name == original.name else name
-              for family, name in original.engine.items()}
     if planted.pass_through:  # a comparator of the planted routes' gates, never judged itself
         return Route(planted.name, original.family, "baseline",
                      impl=implementation_for(planted, registry, policy), probe=original.probe,
                      description=f"self-test: {original.name} behind the planted routes' wrapper")
+    engine = {family: planted.name if name == original.name else name
+              for family, name in original.engine.items()}
     return Route(
         planted.name, original.family, "candidate",
         baseline=original.baseline or registry.family_of(original.family).baseline,

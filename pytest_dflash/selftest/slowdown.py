@@ -17,6 +17,7 @@ times, in the way the gate times it:
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Hashable
@@ -36,27 +37,23 @@ def busy_wait(seconds: float) -> None:
         pass
 
 
-_wait_overhead: list[float] = []
-
-
+@functools.cache
 def wait_overhead_s() -> float:
     """What a busy wait costs beyond the time asked of it (its clock reads, the overshoot of its
     last read), measured once per process: a wait of 1 ns against a wait of 0, median of 5
     batches of 200. A planted CPU slowdown asks for that much less, so the slowed call costs
     ``1 + fraction`` times the call rather than that plus the wait's own overhead."""
-    if not _wait_overhead:
-        per: list[float] = []
-        for _ in range(5):
-            t0 = time.perf_counter_ns()
-            for _ in range(200):
-                busy_wait(1e-9)
-            t1 = time.perf_counter_ns()
-            for _ in range(200):
-                busy_wait(0.0)
-            t2 = time.perf_counter_ns()
-            per.append(((t1 - t0) - (t2 - t1)) / 200 / 1e9 - 1e-9)
-        _wait_overhead.append(max(0.0, statistics.median(per)))
-    return _wait_overhead[0]
+    per: list[float] = []
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(200):
+            busy_wait(1e-9)
+        t1 = time.perf_counter_ns()
+        for _ in range(200):
+            busy_wait(0.0)
+        t2 = time.perf_counter_ns()
+        per.append(((t1 - t0) - (t2 - t1)) / 200 / 1e9 - 1e-9)
+    return max(0.0, statistics.median(per))
 
 
 def _device_index(device: Any) -> int:
@@ -143,8 +140,7 @@ class Slowdown:
             return result
         start = time.perf_counter_ns()
         result = call()
-        wait = self.fraction * (time.perf_counter_ns() - start) / 1e9
-        busy_wait(wait - self._overhead_s if wait else 0.0)
+        busy_wait(self.fraction * (time.perf_counter_ns() - start) / 1e9 - self._overhead_s)
         return result
 
     def __repr__(self) -> str:
