@@ -12,6 +12,10 @@ Per route and M it prints three figures, because at these sizes (5 to 500 us) th
 - the per-kernel device times from CUPTI (``torch.profiler``), averaged over 10 calls: what the
   bandwidth floor compares to, free of the event and launch overhead (5 to 10 us per call on an
   H200).
+
+Per layer it first prints the measured read floor: the CUPTI time of one ``torch.sum`` over as
+many bytes as the weight's codes and scales, a plain streaming read. The nominal floor (bytes at
+the HBM peak) is not reachable by any kernel at these sizes; this one is what a read achieves.
 """
 
 from __future__ import annotations
@@ -55,6 +59,15 @@ def kernel_us(fn: Callable[[], object], calls: int = 10) -> dict[str, float]:
     return dict(per_kernel)
 
 
+def read_floor(w: NVFP4Weight) -> tuple[float, int]:
+    """CUPTI time (us) of one plain read of the weight's byte count, and that count."""
+    nbytes = w.packed.numel() + w.scales.numel()
+    blob = torch.zeros(nbytes // 4, device=DEVICE, dtype=torch.float32)
+    for _ in range(5):
+        blob.sum()
+    return sum(kernel_us(blob.sum).values()), nbytes
+
+
 def main(ms: list[int]) -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device (torch sees none)")
@@ -62,6 +75,10 @@ def main(ms: list[int]) -> None:
         w = weight(layer)
         qpn2, qpn4 = QPN2.prepare(w), QPN4_BOUNDED.prepare(w)
         dense = dequantize(w, torch.float16)
+        floor_us, nbytes = read_floor(w)
+        rate = nbytes / floor_us / 1e6
+        print(f"{layer} read floor: torch.sum over {nbytes / 1e6:.1f} MB, kernels "
+              f"{floor_us:.1f} us ({rate:.2f} TB/s)", flush=True)
         for m in ms:
             x = torch.randn(m, w.k, device=DEVICE, dtype=torch.float16)
             cases = {"fp16 cuBLAS": functools.partial(torch.matmul, x, dense.T)}
