@@ -13,9 +13,9 @@ Per route and M it prints three figures, because at these sizes (5 to 500 us) th
   bandwidth floor compares to, free of the event and launch overhead (5 to 10 us per call on an
   H200).
 
-Per layer it first prints the measured read floor: the CUPTI time of one ``torch.sum`` over as
-many bytes as the weight's codes and scales, a plain streaming read. The nominal floor (bytes at
-the HBM peak) is not reachable by any kernel at these sizes; this one is what a read achieves.
+Per layer it first prints a plain read: the CUPTI time of one ``torch.sum`` over as many bytes as
+the weight's codes and scales. The nominal floor (those bytes at the HBM peak) is not reachable
+at these sizes; the plain read shows what a library kernel that only streams them takes.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def kernel_us(fn: Callable[[], object], calls: int = 10) -> dict[str, float]:
     return dict(per_kernel)
 
 
-def read_floor(w: NVFP4Weight) -> tuple[float, int]:
-    """CUPTI time (us) of one plain read of the weight's byte count, and that count."""
+def plain_read(w: NVFP4Weight) -> tuple[float, int]:
+    """CUPTI time (us) of one ``torch.sum`` over the weight's byte count, and that count."""
     nbytes = w.packed.numel() + w.scales.numel()
     blob = torch.zeros(nbytes // 4, device=DEVICE, dtype=torch.float32)
     for _ in range(5):
@@ -75,10 +75,10 @@ def main(ms: list[int]) -> None:
         w = weight(layer)
         qpn2, qpn4 = QPN2.prepare(w), QPN4_BOUNDED.prepare(w)
         dense = dequantize(w, torch.float16)
-        floor_us, nbytes = read_floor(w)
-        rate = nbytes / floor_us / 1e6
-        print(f"{layer} read floor: torch.sum over {nbytes / 1e6:.1f} MB, kernels "
-              f"{floor_us:.1f} us ({rate:.2f} TB/s)", flush=True)
+        read_us, nbytes = plain_read(w)
+        rate = nbytes / read_us / 1e6
+        print(f"{layer} plain read: torch.sum over {nbytes / 1e6:.1f} MB, kernels "
+              f"{read_us:.1f} us ({rate:.2f} TB/s)", flush=True)
         for m in ms:
             x = torch.randn(m, w.k, device=DEVICE, dtype=torch.float16)
             cases = {"fp16 cuBLAS": functools.partial(torch.matmul, x, dense.T)}
