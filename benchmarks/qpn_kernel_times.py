@@ -14,8 +14,9 @@ Per route and M it prints three figures, because at these sizes (5 to 500 us) th
   H200).
 
 Per layer it first prints a plain read: the CUPTI time of one ``torch.sum`` over as many bytes as
-the weight's codes and scales. The nominal floor (those bytes at the HBM peak) is not reachable
-at these sizes; the plain read shows what a library kernel that only streams them takes.
+the weight's codes and scales, averaged over 10 calls like the kernel sums (no L2 flush between
+them, the same for both). The nominal floor (those bytes at the HBM peak) is not reachable at
+these sizes; the plain read shows what a library kernel that only streams them takes.
 """
 
 from __future__ import annotations
