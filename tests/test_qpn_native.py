@@ -265,6 +265,23 @@ def test_cuda_kernels_match_the_reference(dtype) -> None:
 
 
 @needs_cuda
+def test_cuda_m1_kernel_matches_the_reference_over_long_splits() -> None:
+    """M = 1 has its own fp16 kernel (docs/qpn.md, "The M = 1 kernel"), whose splits are sized
+    by the SM count: on a small weight every split is one load batch or less. This weight is
+    wide enough (136 tiles) that each split runs several batches in both register sets, plus
+    a short last split, gated and not."""
+    n, k = 4352, 4096 + 64
+    w = QPN2.prepare(_cuda_weight(n, k, seed=7))
+    x = _x(1, k, torch.float16, seed=1).cuda()
+    for gated in (False, True):
+        got = QPN2.gate_up(x, w) if gated else QPN2.linear(x, w)
+        want = ref.qpn2_linear(x, w, gated)
+        assert _rel(got, want) <= CUDA_TOLERANCE[torch.float16], f"gated={gated}"
+        assert_bitwise_equal(QPN2.gate_up(x, w) if gated else QPN2.linear(x, w), got,
+                             f"gated={gated} run to run")
+
+
+@needs_cuda
 def test_cuda_packed_is_deterministic_and_bitwise_its_partners() -> None:
     w = QPN2_PACKED.prepare(_cuda_weight(1024, 2048))
     qpn4 = QPN4BoundedRoute()

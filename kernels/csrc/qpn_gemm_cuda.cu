@@ -206,6 +206,106 @@ __global__ void __launch_bounds__(kWmmaThreads) qpn2_wmma_kernel(SmallMArgs a) {
   }
 }
 
+// qpn2 at M = 1 (a pass of one row: the decode step). The same decode, staging tile and WMMA
+// as qpn2_wmma_kernel, with what the row lets it drop:
+// - x is staged compactly, [group][16] halves, and its A fragment is loaded with a 24-half row
+//   stride: the fragment's 7 rows past the first are padding whose values reach only
+//   accumulator rows that are never written out, and 48-byte rows put the 8 rows on 8
+//   distinct bank groups (a 32-byte stride put two rows on each);
+// - full batches of kRowBatch groups run without bounds checks, from one code and one scale
+//   pointer per lane at fixed offsets, in two register sets used in turn (no copies); the
+//   split's last < kRowBatch groups run one per warp after them.
+// Splits are sized for one wave of blocks (row_groups_per_split). Measured against
+// qpn2_wmma_kernel<1> on an H200: docs/qpn.md, "The M = 1 kernel".
+constexpr int kRowAhead = 2;                             // groups per warp per load batch
+constexpr int kRowBatch = kWmmaWarps * kRowAhead;        // groups per block per load batch
+constexpr int kRowXLd = 24;                              // A-fragment row stride (halves)
+
+// Halves of a block's staged x at M = 1: the split's groups, then the fragment's padding rows.
+__host__ __device__ __forceinline__ int64_t row_x_halves(int64_t groups) {
+  return (groups + 11) * 16;  // 7 rows of kRowXLd past the last group, 32-byte multiple
+}
+
+__global__ void __launch_bounds__(kWmmaThreads) qpn2_row_kernel(SmallMArgs a) {
+  using namespace nvcuda;
+  extern __shared__ __align__(32) unsigned char smem[];
+  const int t = blockIdx.x, s = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t g0 = s * a.groups_per_split;
+  const int ng = static_cast<int>(min(a.groups_per_split, a.groups - g0));
+  __half* xs = reinterpret_cast<__half*>(smem);
+  __half* stage = xs + row_x_halves(a.groups_per_split) + warp * (32 * kStageLd);
+  // this warp's first group: local group gl is at (gl - warp) * 32 from these
+  const uint2* codes =
+      reinterpret_cast<const uint2*>(a.buffer) + (t * a.groups + g0 + warp) * 32 + lane;
+  const uint8_t* scales = a.scales + (t * a.groups + g0 + warp) * 32 + lane;
+  const int batches = ng / kRowBatch;
+  uint2 code_a[kRowAhead], code_b[kRowAhead];
+  uint32_t sb_a[kRowAhead], sb_b[kRowAhead];
+  auto load_batch = [&](int b, uint2* c, uint32_t* sb) {
+#pragma unroll
+    for (int u = 0; u < kRowAhead; ++u) {
+      const int off = (b * kRowBatch + u * kWmmaWarps) * 32;
+      c[u] = __ldg(codes + off);
+      sb[u] = __ldg(scales + off);
+    }
+  };
+  if (batches > 0) load_batch(0, code_a, sb_a);  // the first weights fly while x is staged
+  const __half* x = static_cast<const __half*>(a.x) + g0 * 16;
+  for (int i = threadIdx.x; i < ng * 2; i += kWmmaThreads)
+    *reinterpret_cast<uint4*>(xs + i * 8) =
+        interleave_halves(*reinterpret_cast<const uint4*>(x + i * 8));
+  __syncthreads();
+
+  wmma::fragment<wmma::accumulator, 8, 32, 16, float> acc;
+  wmma::fill_fragment(acc, 0.0f);
+  auto mma_group = [&](int gl, uint2 code, uint32_t sb) {
+    const __half2 s2 = e4m3_x128_pair(sb);  // e4m3 * 2^7 in fp16, exact
+    uint32_t h[8];
+    e2m1_word_pairs(code.x, h);
+    e2m1_word_pairs(code.y, h + 4);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      __half2 v = *reinterpret_cast<__half2*>(&h[j]);
+      v = __hmul2(v, s2);  // e2m1 * e4m3 * 2^-7, exact
+      h[j] = *reinterpret_cast<uint32_t*>(&v);
+    }
+    __syncwarp();
+    uint4* dst = reinterpret_cast<uint4*>(stage + lane * kStageLd);
+    dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+    dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+    __syncwarp();
+    wmma::fragment<wmma::matrix_b, 8, 32, 16, __half, wmma::col_major> bf;
+    wmma::load_matrix_sync(bf, stage, kStageLd);
+    wmma::fragment<wmma::matrix_a, 8, 32, 16, __half, wmma::row_major> af;
+    wmma::load_matrix_sync(af, xs + gl * 16, kRowXLd);
+    wmma::mma_sync(acc, af, bf, acc);
+  };
+  for (int b = 0; b < batches; b += 2) {
+    if (b + 1 < batches) load_batch(b + 1, code_b, sb_b);
+#pragma unroll
+    for (int u = 0; u < kRowAhead; ++u)
+      mma_group(b * kRowBatch + u * kWmmaWarps + warp, code_a[u], sb_a[u]);
+    if (b + 2 < batches) load_batch(b + 2, code_a, sb_a);
+    if (b + 1 < batches) {
+#pragma unroll
+      for (int u = 0; u < kRowAhead; ++u)
+        mma_group((b + 1) * kRowBatch + u * kWmmaWarps + warp, code_b[u], sb_b[u]);
+    }
+  }
+  for (int gl = batches * kRowBatch + warp; gl < ng; gl += kWmmaWarps)
+    mma_group(gl, __ldg(codes + (gl - warp) * 32), __ldg(scales + (gl - warp) * 32));
+
+  __syncthreads();  // xs is reused for the warps' accumulators
+  float* red = reinterpret_cast<float*>(smem);  // [warp][8][32]
+  wmma::store_matrix_sync(red + warp * 8 * 32, acc, 32, wmma::mem_row_major);
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float sum = 0.0f;
+    for (int w = 0; w < kWmmaWarps; ++w) sum += red[w * 8 * 32 + threadIdx.x];
+    a.partials[s * a.n_padded + t * 32 + threadIdx.x] = sum;
+  }
+}
+
 template <int MR>  // rows per pass handled in registers
 __global__ void __launch_bounds__(kThreads) qpn2_simt_kernel(SmallMArgs a) {
   extern __shared__ __align__(32) unsigned char smem[];
@@ -321,6 +421,14 @@ int64_t groups_per_split(const Geometry& g, int64_t max_groups) {
   return std::max<int64_t>(1, per);
 }
 
+// Groups per split of qpn2_row_kernel: the splits groups_per_split would choose (about 8 blocks
+// per SM, one wave at the kernel's 10 blocks per SM), without its cap, rounded up to whole
+// batches. Measured on an H200: 80 groups (4 splits) for gate/up, 40 (7 splits) for down.
+int64_t row_groups_per_split(const Geometry& g) {
+  const int64_t per = groups_per_split(g, 1024);
+  return (per + kRowBatch - 1) / kRowBatch * kRowBatch;
+}
+
 template <typename Kernel>
 void launch_small_m(Kernel kernel, int threads, const SmallMArgs& a, int64_t splits, size_t smem,
                     cudaStream_t stream) {
@@ -342,7 +450,11 @@ std::pair<at::Tensor, float> small_m_pass(const at::Tensor& x, int64_t r0, int64
   const int rows_pad = static_cast<int>((rows + 7) / 8 * 8);
   int64_t per;
   size_t smem;
-  if (half) {
+  if (half && rows == 1) {
+    per = row_groups_per_split(g);
+    smem = std::max(size_t(row_x_halves(per)) * 2 + kWmmaWarps * kStageBytes,
+                    size_t(kWmmaWarps) * 8 * 32 * 4);
+  } else if (half) {
     const int mb = rows_pad / 8;
     // xs: [8 mb][x_stage_ld(per)] halves, then a staging tile per warp; reduction: warps x 8 mb
     // x 32 fp32. ~64 groups per block: the measured optimum on the target shapes (docs/qpn.md).
@@ -365,6 +477,10 @@ std::pair<at::Tensor, float> small_m_pass(const at::Tensor& x, int64_t r0, int64
   SmallMArgs a{static_cast<const char*>(x.data_ptr()) + r0 * g.k * x.element_size(), rows, g.k,
                buffer.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), g.groups, per,
                g.n_padded, partials.data_ptr<float>()};
+  if (half && rows == 1) {
+    launch_small_m(qpn2_row_kernel, kWmmaThreads, a, splits, smem, stream);
+    return {partials, static_cast<float>(global_scale * 128.0)};
+  }
   if (half) {
     switch (rows_pad / 8) {
       case 1: launch_small_m(qpn2_wmma_kernel<1>, kWmmaThreads, a, splits, smem, stream); break;
