@@ -23,6 +23,9 @@
 // lanes on one bank group), x rows are padded off a 128-byte multiple, and 4-warp blocks of
 // ~64 groups fit 9 blocks per SM. Measured variants: docs/qpn.md.
 //
+// A pass of one row (M = 1, the decode step) has its own fp16 kernel, qpn2_row_kernel: the same
+// decode and WMMA, x staged compactly, a leaner loop and splits sized for one wave of blocks.
+//
 // qpn4_bounded (large M): a chunk of whole tiles of the QPN4 view is dequantized into the
 // bounded workspace (fp16 for fp16 inputs: e2m1 x fp16 pre-scaled scale with its 2^14 bias, or
 // e2m1 x e4m3 when the pre-scaled form is not given; fp32 for fp32 inputs), then one cuBLAS GEMM
