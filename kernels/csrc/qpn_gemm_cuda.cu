@@ -103,6 +103,30 @@ __device__ __forceinline__ uint4 interleave_halves(uint4 v) {
                     __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
 }
 
+// One group of the warp's 32 columns (lane c: column c's 16 codes and scale byte) decoded to
+// fp16 e2m1 * e4m3 * 2^-7 (exact) through the warp's staging tile, loaded as the B fragment of
+// an m8n32k16 WMMA. Shared by both fp16 small-M kernels.
+__device__ __forceinline__ void decode_group(
+    uint2 code, uint32_t scale_byte, __half* stage, int lane,
+    nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 8, 32, 16, __half, nvcuda::wmma::col_major>& bf) {
+  const __half2 s2 = e4m3_x128_pair(scale_byte);  // e4m3 * 2^7 in fp16, exact
+  uint32_t h[8];
+  e2m1_word_pairs(code.x, h);
+  e2m1_word_pairs(code.y, h + 4);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    __half2 v = *reinterpret_cast<__half2*>(&h[j]);
+    v = __hmul2(v, s2);  // e2m1 * e4m3 * 2^-7, exact
+    h[j] = *reinterpret_cast<uint32_t*>(&v);
+  }
+  __syncwarp();  // the warp's previous fragment load has read the tile
+  uint4* dst = reinterpret_cast<uint4*>(stage + lane * kStageLd);
+  dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+  dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+  __syncwarp();
+  nvcuda::wmma::load_matrix_sync(bf, stage, kStageLd);
+}
+
 // ---------------------------------------------------------------------------------------------
 // qpn2: small-M kernels. partials: [splits][rows][Np] fp32 (this pass's rows).
 
@@ -164,23 +188,8 @@ __global__ void __launch_bounds__(kWmmaThreads) qpn2_wmma_kernel(SmallMArgs a) {
     for (int u = 0; u < kAhead; ++u) {
       const int gl = base + u * kWarps;
       if (gl >= ng) break;
-      const __half2 s2 = e4m3_x128_pair(sb[u]);  // e4m3 * 2^7 in fp16, exact
-      uint32_t h[8];
-      e2m1_word_pairs(code[u].x, h);
-      e2m1_word_pairs(code[u].y, h + 4);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        __half2 v = *reinterpret_cast<__half2*>(&h[j]);
-        v = __hmul2(v, s2);  // e2m1 * e4m3 * 2^-7, exact
-        h[j] = *reinterpret_cast<uint32_t*>(&v);
-      }
-      __syncwarp();
-      uint4* dst = reinterpret_cast<uint4*>(stage + lane * kStageLd);
-      dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-      dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
-      __syncwarp();
       wmma::fragment<wmma::matrix_b, 8, 32, 16, __half, wmma::col_major> bf;
-      wmma::load_matrix_sync(bf, stage, kStageLd);
+      decode_group(code[u], sb[u], stage, lane, bf);
 #pragma unroll
       for (int b = 0; b < MB; ++b) {
         wmma::fragment<wmma::matrix_a, 8, 32, 16, __half, wmma::row_major> af;
@@ -262,23 +271,8 @@ __global__ void __launch_bounds__(kWmmaThreads) qpn2_row_kernel(SmallMArgs a) {
   wmma::fragment<wmma::accumulator, 8, 32, 16, float> acc;
   wmma::fill_fragment(acc, 0.0f);
   auto mma_group = [&](int gl, uint2 code, uint32_t sb) {
-    const __half2 s2 = e4m3_x128_pair(sb);  // e4m3 * 2^7 in fp16, exact
-    uint32_t h[8];
-    e2m1_word_pairs(code.x, h);
-    e2m1_word_pairs(code.y, h + 4);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      __half2 v = *reinterpret_cast<__half2*>(&h[j]);
-      v = __hmul2(v, s2);  // e2m1 * e4m3 * 2^-7, exact
-      h[j] = *reinterpret_cast<uint32_t*>(&v);
-    }
-    __syncwarp();
-    uint4* dst = reinterpret_cast<uint4*>(stage + lane * kStageLd);
-    dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-    dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
-    __syncwarp();
     wmma::fragment<wmma::matrix_b, 8, 32, 16, __half, wmma::col_major> bf;
-    wmma::load_matrix_sync(bf, stage, kStageLd);
+    decode_group(code, sb, stage, lane, bf);
     wmma::fragment<wmma::matrix_a, 8, 32, 16, __half, wmma::row_major> af;
     wmma::load_matrix_sync(af, xs + gl * 16, kRowXLd);
     wmma::mma_sync(acc, af, bf, acc);
