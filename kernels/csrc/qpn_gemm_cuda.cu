@@ -24,7 +24,8 @@
 // ~64 groups fit 9 blocks per SM. Measured variants: docs/qpn.md.
 //
 // A pass of one row (M = 1, the decode step) has its own fp16 kernel, qpn2_row_kernel: the same
-// decode and WMMA, x staged compactly, a leaner loop and splits sized for one wave of blocks.
+// decode in SIMT fp32 (a one-row WMMA spends more on its staging tile than on the decode), a
+// lean loop and splits sized for one wave of blocks.
 //
 // qpn4_bounded (large M): a chunk of whole tiles of the QPN4 view is dequantized into the
 // bounded workspace (fp16 for fp16 inputs: e2m1 x fp16 pre-scaled scale with its 2^14 bias, or
@@ -105,7 +106,7 @@ __device__ __forceinline__ uint4 interleave_halves(uint4 v) {
 
 // One group of the warp's 32 columns (lane c: column c's 16 codes and scale byte) decoded to
 // fp16 e2m1 * e4m3 * 2^-7 (exact) through the warp's staging tile, loaded as the B fragment of
-// an m8n32k16 WMMA. Shared by both fp16 small-M kernels.
+// an m8n32k16 WMMA.
 __device__ __forceinline__ void decode_group(
     uint2 code, uint32_t scale_byte, __half* stage, int lane,
     nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 8, 32, 16, __half, nvcuda::wmma::col_major>& bf) {
@@ -218,34 +219,38 @@ __global__ void __launch_bounds__(kWmmaThreads) qpn2_wmma_kernel(SmallMArgs a) {
   }
 }
 
-// qpn2 at M = 1 (a pass of one row: the decode step). The same decode, staging tile and WMMA
-// as qpn2_wmma_kernel, with what the row lets it drop:
-// - x is staged compactly, [group][16] halves, and its A fragment is loaded with a 24-half row
-//   stride: the fragment's 7 rows past the first are padding whose values reach only
-//   accumulator rows that are never written out, and 48-byte rows put the 8 rows on 8
-//   distinct bank groups (a 32-byte stride put two rows on each);
+// qpn2 at M = 1 (a pass of one row: the decode step), in SIMT fp32: no staging tile, no tensor
+// core. At one row a WMMA spends 2 KiB of shared-memory traffic per warp and group (the decoded
+// tile stored and loaded back) to use 1/8 of an 8-row MMA; here lane c keeps column c's codes
+// in registers: e2m1_word_pairs places a pair of codes as fp16 (e2m1 * 2^-14, exact), each half
+// is widened to fp32 (exact) and FMA'd with x in fp32, the group's sum is scaled once by its
+// e4m3 scale in fp32 (e4m3_times_128) and added to the lane's running sum. Every product is
+// exact and every sum is fp32, in a fixed order (the group's two halves, then groups in the
+// warp's order, then the warps in warp order), as in the WMMA kernels.
+// - x is staged once per block as fp32, [group][16]: the warp's reads of it are broadcasts;
 // - full batches of kRowBatch groups run without bounds checks, from one code and one scale
 //   pointer per lane at fixed offsets, in two register sets used in turn (no copies); the
 //   split's last < kRowBatch groups run one per warp after them.
-// Splits are sized for one wave of blocks (row_groups_per_split). Measured against
-// qpn2_wmma_kernel<1> on an H200: docs/qpn.md, "The M = 1 kernel".
-constexpr int kRowAhead = 2;                             // groups per warp per load batch
-constexpr int kRowBatch = kWmmaWarps * kRowAhead;        // groups per block per load batch
-constexpr int kRowXLd = 24;                              // A-fragment row stride (halves)
+// Splits are sized for one wave of blocks (row_groups_per_split). Measured against the WMMA
+// form on an H200: docs/qpn.md, "The M = 1 kernel".
+constexpr int kRowWarps = 4;
+constexpr int kRowThreads = kRowWarps * 32;
+constexpr int kRowAhead = 2;                         // groups per warp per load batch
+constexpr int kRowBatch = kRowWarps * kRowAhead;     // groups per block per load batch
 
-// Halves of a block's staged x at M = 1: the split's groups, then the fragment's padding rows.
-__host__ __device__ __forceinline__ int64_t row_x_halves(int64_t groups) {
-  return (groups + 11) * 16;  // 7 rows of kRowXLd past the last group, 32-byte multiple
+// e4m3 byte b times 2^7 in fp32, exactly and without a branch: b's 7 magnitude bits placed as
+// fp32 exponent/mantissa read as e4m3 * 2^-120, normal and subnormal alike (both formats'
+// subnormals line up at that shift); * 2^127 is exact for every e4m3 value.
+__device__ __forceinline__ float e4m3_times_128(uint32_t b) {
+  return __uint_as_float(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)) * 0x1p127f;
 }
 
-__global__ void __launch_bounds__(kWmmaThreads) qpn2_row_kernel(SmallMArgs a) {
-  using namespace nvcuda;
+__global__ void __launch_bounds__(kRowThreads) qpn2_row_kernel(SmallMArgs a) {
   extern __shared__ __align__(32) unsigned char smem[];
   const int t = blockIdx.x, s = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t g0 = s * a.groups_per_split;
   const int ng = static_cast<int>(min(a.groups_per_split, a.groups - g0));
-  __half* xs = reinterpret_cast<__half*>(smem);
-  __half* stage = xs + row_x_halves(a.groups_per_split) + warp * (32 * kStageLd);
+  float* xs = reinterpret_cast<float*>(smem);  // [group][16]
   // this warp's first group: local group gl is at (gl - warp) * 32 from these
   const uint2* codes =
       reinterpret_cast<const uint2*>(a.buffer) + (t * a.groups + g0 + warp) * 32 + lane;
@@ -256,49 +261,58 @@ __global__ void __launch_bounds__(kWmmaThreads) qpn2_row_kernel(SmallMArgs a) {
   auto load_batch = [&](int b, uint2* c, uint32_t* sb) {
 #pragma unroll
     for (int u = 0; u < kRowAhead; ++u) {
-      const int off = (b * kRowBatch + u * kWmmaWarps) * 32;
+      const int off = (b * kRowBatch + u * kRowWarps) * 32;
       c[u] = __ldg(codes + off);
       sb[u] = __ldg(scales + off);
     }
   };
   if (batches > 0) load_batch(0, code_a, sb_a);  // the first weights fly while x is staged
-  const __half* x = static_cast<const __half*>(a.x) + g0 * 16;
-  for (int i = threadIdx.x; i < ng * 2; i += kWmmaThreads)
-    *reinterpret_cast<uint4*>(xs + i * 8) =
-        interleave_halves(*reinterpret_cast<const uint4*>(x + i * 8));
+  const __half2* x = reinterpret_cast<const __half2*>(static_cast<const __half*>(a.x) + g0 * 16);
+  for (int i = threadIdx.x; i < ng * 8; i += kRowThreads)
+    reinterpret_cast<float2*>(xs)[i] = __half22float2(x[i]);
   __syncthreads();
 
-  wmma::fragment<wmma::accumulator, 8, 32, 16, float> acc;
-  wmma::fill_fragment(acc, 0.0f);
-  auto mma_group = [&](int gl, uint2 code, uint32_t sb) {
-    wmma::fragment<wmma::matrix_b, 8, 32, 16, __half, wmma::col_major> bf;
-    decode_group(code, sb, stage, lane, bf);
-    wmma::fragment<wmma::matrix_a, 8, 32, 16, __half, wmma::row_major> af;
-    wmma::load_matrix_sync(af, xs + gl * 16, kRowXLd);
-    wmma::mma_sync(acc, af, bf, acc);
+  float acc = 0.0f;
+  auto add_group = [&](int gl, uint2 code, uint32_t sb) {
+    const float4* xq = reinterpret_cast<const float4*>(xs + gl * 16);
+    const float4 q0 = xq[0], q1 = xq[1], q2 = xq[2], q3 = xq[3];
+    const float xv[16] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w,
+                          q2.x, q2.y, q2.z, q2.w, q3.x, q3.y, q3.z, q3.w};
+    uint32_t h[8];
+    e2m1_word_pairs(code.x, h);
+    e2m1_word_pairs(code.y, h + 4);
+    float lo = 0.0f, hi = 0.0f;  // codes j and j + 4 of each word
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h[j]));
+      const int k = (j / 4) * 8 + j % 4;
+      lo = fmaf(v.x, xv[k], lo);
+      hi = fmaf(v.y, xv[k + 4], hi);
+    }
+    acc = fmaf(e4m3_times_128(sb), lo + hi, acc);  // e2m1 * e4m3 * 2^-7 per product
   };
   for (int b = 0; b < batches; b += 2) {
     if (b + 1 < batches) load_batch(b + 1, code_b, sb_b);
 #pragma unroll
     for (int u = 0; u < kRowAhead; ++u)
-      mma_group(b * kRowBatch + u * kWmmaWarps + warp, code_a[u], sb_a[u]);
+      add_group(b * kRowBatch + u * kRowWarps + warp, code_a[u], sb_a[u]);
     if (b + 2 < batches) load_batch(b + 2, code_a, sb_a);
     if (b + 1 < batches) {
 #pragma unroll
       for (int u = 0; u < kRowAhead; ++u)
-        mma_group((b + 1) * kRowBatch + u * kWmmaWarps + warp, code_b[u], sb_b[u]);
+        add_group((b + 1) * kRowBatch + u * kRowWarps + warp, code_b[u], sb_b[u]);
     }
   }
-  for (int gl = batches * kRowBatch + warp; gl < ng; gl += kWmmaWarps)
-    mma_group(gl, __ldg(codes + (gl - warp) * 32), __ldg(scales + (gl - warp) * 32));
+  for (int gl = batches * kRowBatch + warp; gl < ng; gl += kRowWarps)
+    add_group(gl, __ldg(codes + (gl - warp) * 32), __ldg(scales + (gl - warp) * 32));
 
-  __syncthreads();  // xs is reused for the warps' accumulators
-  float* red = reinterpret_cast<float*>(smem);  // [warp][8][32]
-  wmma::store_matrix_sync(red + warp * 8 * 32, acc, 32, wmma::mem_row_major);
+  __syncthreads();  // xs is reused for the warps' sums
+  float* red = reinterpret_cast<float*>(smem);  // [warp][32]
+  red[warp * 32 + lane] = acc;
   __syncthreads();
   if (threadIdx.x < 32) {
     float sum = 0.0f;
-    for (int w = 0; w < kWmmaWarps; ++w) sum += red[w * 8 * 32 + threadIdx.x];
+    for (int w = 0; w < kRowWarps; ++w) sum += red[w * 32 + threadIdx.x];
     a.partials[s * a.n_padded + t * 32 + threadIdx.x] = sum;
   }
 }
@@ -355,6 +369,31 @@ __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn
 __device__ __forceinline__ float load(const float* p) { return *p; }
 __device__ __forceinline__ float load(const __half* p) { return __half2float(*p); }
 
+// y[c] = the sum over splits s, in split order, of p[c * second + s * stride], for c < C. The
+// loads are issued kFinishBatch splits at a time so that their latencies overlap (a plain loop
+// waits for each load before the next: about 0.15 us per split on an H200); the additions
+// keep the split order, so the result is the plain loop's, bit for bit.
+constexpr int kFinishBatch = 8;
+template <int C>
+__device__ __forceinline__ void sum_splits(const float* p, int64_t second, int splits,
+                                           int64_t stride, float (&y)[C]) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) y[c] = 0.0f;
+  for (int s0 = 0; s0 < splits; s0 += kFinishBatch) {
+    float v[C][kFinishBatch];
+#pragma unroll
+    for (int u = 0; u < kFinishBatch; ++u)
+#pragma unroll
+      for (int c = 0; c < C; ++c)
+        if (s0 + u < splits) v[c][u] = p[c * second + (s0 + u) * stride];
+#pragma unroll
+    for (int u = 0; u < kFinishBatch; ++u)
+#pragma unroll
+      for (int c = 0; c < C; ++c)
+        if (s0 + u < splits) y[c] += v[c][u];
+  }
+}
+
 // out[row][j] = alpha * sum over splits (in split order), SiLU-gated if asked, cast once.
 template <typename Out>
 __global__ void small_m_finish_kernel(const float* partials, int splits, int64_t rows,
@@ -364,12 +403,16 @@ __global__ void small_m_finish_kernel(const float* partials, int splits, int64_t
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * n_out;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = i / n_out, j = i % n_out;
-    float y = 0.0f, up = 0.0f;
-    for (int s = 0; s < splits; ++s) y += partials[(s * rows + row) * n_padded + j];
-    y *= alpha;
+    const float* p = partials + row * n_padded + j;
+    float y;
     if (gated) {
-      for (int s = 0; s < splits; ++s) up += partials[(s * rows + row) * n_padded + j + n / 2];
-      y = silu(y) * (up * alpha);
+      float gate_up[2];
+      sum_splits(p, n / 2, splits, rows * n_padded, gate_up);
+      y = silu(gate_up[0] * alpha) * (gate_up[1] * alpha);
+    } else {
+      float sum[1];
+      sum_splits(p, 0, splits, rows * n_padded, sum);
+      y = sum[0] * alpha;
     }
     store(out + row * ldo + j, y);
   }
@@ -387,20 +430,35 @@ __global__ void gate_kernel(const T* y, int64_t rows, int64_t n_padded, int64_t 
   }
 }
 
-// Streaming multiprocessors of the current device (cached per device).
-int sm_count() {
-  static int counts[64] = {0};
+// A value of the current device, computed once per device (past the 64th: on every call).
+template <typename F>
+int cached_for_device(int (&cache)[64], F compute) {
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 64) {
+  if (dev >= 64) return compute(dev);
+  if (cache[dev] == 0) cache[dev] = compute(dev);
+  return cache[dev];
+}
+
+// Streaming multiprocessors of the current device.
+int sm_count() {
+  static int counts[64] = {0};
+  return cached_for_device(counts, [](int dev) {
     int n = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     return n;
-  }
-  if (counts[dev] == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&counts[dev], cudaDevAttrMultiProcessorCount, dev));
-  }
-  return counts[dev];
+  });
+}
+
+// Blocks of qpn2_row_kernel one SM holds at once (its registers decide: its x takes a few KiB).
+int row_blocks_per_sm() {
+  static int blocks[64] = {0};
+  return cached_for_device(blocks, [](int) {
+    int n = 0;
+    C10_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, qpn2_row_kernel, kRowThreads, 0));
+    return std::max(n, 1);
+  });
 }
 
 int grid_for(int64_t items) {
@@ -418,11 +476,13 @@ int64_t groups_per_split(const Geometry& g, int64_t max_groups) {
   return std::max<int64_t>(1, per);
 }
 
-// Groups per split of qpn2_row_kernel: the splits groups_per_split would choose (about 8 blocks
-// per SM, one wave at the kernel's 10 blocks per SM), without its cap, rounded up to whole
-// batches. Measured on an H200: 80 groups (4 splits) for gate/up, 40 (7 splits) for down.
+// Groups per split of qpn2_row_kernel: one wave of blocks (every SM full at the kernel's
+// occupancy), x within the default shared memory, rounded up to whole batches. Measured on an
+// H200 (12 blocks per SM): 56 groups (6 splits) for gate/up, 32 (9 splits) for down.
 int64_t row_groups_per_split(const Geometry& g) {
-  const int64_t per = groups_per_split(g, 1024);
+  const int64_t blocks = int64_t(row_blocks_per_sm()) * sm_count();
+  const int64_t want = std::max<int64_t>(1, (blocks + g.tiles - 1) / g.tiles);
+  const int64_t per = std::min<int64_t>((g.groups + want - 1) / want, kSmemBytes / (16 * 4));
   return (per + kRowBatch - 1) / kRowBatch * kRowBatch;
 }
 
@@ -449,8 +509,7 @@ std::pair<at::Tensor, float> small_m_pass(const at::Tensor& x, int64_t r0, int64
   size_t smem;
   if (half && rows == 1) {
     per = row_groups_per_split(g);
-    smem = std::max(size_t(row_x_halves(per)) * 2 + kWmmaWarps * kStageBytes,
-                    size_t(kWmmaWarps) * 8 * 32 * 4);
+    smem = std::max(size_t(per) * 16 * 4, size_t(kRowWarps) * 32 * 4);  // x; the warps' sums
   } else if (half) {
     const int mb = rows_pad / 8;
     // xs: [8 mb][x_stage_ld(per)] halves, then a staging tile per warp; reduction: warps x 8 mb
@@ -475,7 +534,7 @@ std::pair<at::Tensor, float> small_m_pass(const at::Tensor& x, int64_t r0, int64
                buffer.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), g.groups, per,
                g.n_padded, partials.data_ptr<float>()};
   if (half && rows == 1) {
-    launch_small_m(qpn2_row_kernel, kWmmaThreads, a, splits, smem, stream);
+    launch_small_m(qpn2_row_kernel, kRowThreads, a, splits, smem, stream);
     return {partials, static_cast<float>(global_scale * 128.0)};
   }
   if (half) {
