@@ -267,9 +267,9 @@ def test_cuda_kernels_match_the_reference(dtype) -> None:
 @needs_cuda
 def test_cuda_m1_kernel_matches_the_reference_over_long_splits() -> None:
     """M = 1 has its own fp16 kernel (docs/qpn.md, "The M = 1 kernel"), whose splits are sized
-    by the SM count and its occupancy: on a small weight every split is one load batch or less. This weight is
-    wide enough (136 tiles) that each split runs several batches in both register sets, plus
-    a short last split, gated and not."""
+    by the SM count and the kernel's occupancy: on a small weight every split is one load
+    batch or less. This weight is wide enough (136 tiles) that each split runs several batches
+    in both register sets, plus a short last split, gated and not."""
     n, k = 4352, 4096 + 64
     w = QPN2.prepare(_cuda_weight(n, k, seed=7))
     x = _x(1, k, torch.float16, seed=1).cuda()
