@@ -476,12 +476,12 @@ int64_t groups_per_split(const Geometry& g, int64_t max_groups) {
   return std::max<int64_t>(1, per);
 }
 
-// Groups per split of qpn2_row_kernel: one wave of blocks (every SM full at the kernel's
+// Groups per split of qpn2_row_kernel: at most one wave of blocks (every SM full at the kernel's
 // occupancy), x within the default shared memory, rounded up to whole batches. Measured on an
-// H200 (12 blocks per SM): 56 groups (6 splits) for gate/up, 32 (9 splits) for down.
+// H200 (12 blocks per SM): 64 groups (5 splits) for gate/up, 32 (9 splits) for down.
 int64_t row_groups_per_split(const Geometry& g) {
   const int64_t blocks = int64_t(row_blocks_per_sm()) * sm_count();
-  const int64_t want = std::max<int64_t>(1, (blocks + g.tiles - 1) / g.tiles);
+  const int64_t want = std::max<int64_t>(1, blocks / g.tiles);  // splits per tile
   const int64_t per = std::min<int64_t>((g.groups + want - 1) / want, kSmemBytes / (16 * 4));
   return (per + kRowBatch - 1) / kRowBatch * kRowBatch;
 }
