@@ -24,8 +24,8 @@
 // ~64 groups fit 9 blocks per SM. Measured variants: docs/qpn.md.
 //
 // A pass of one row (M = 1, the decode step) has its own fp16 kernel, qpn2_row_kernel: the same
-// decode in SIMT fp32 (a one-row WMMA spends more on its staging tile than on the decode), a
-// lean loop and splits sized for one wave of blocks.
+// decode in SIMT fp32 (at one row the WMMA's staging tile cost more than the tensor core saved:
+// docs/qpn.md), a lean loop and splits sized for at most one wave of blocks.
 //
 // qpn4_bounded (large M): a chunk of whole tiles of the QPN4 view is dequantized into the
 // bounded workspace (fp16 for fp16 inputs: e2m1 x fp16 pre-scaled scale with its 2^14 bias, or
@@ -231,8 +231,8 @@ __global__ void __launch_bounds__(kWmmaThreads) qpn2_wmma_kernel(SmallMArgs a) {
 // - full batches of kRowBatch groups run without bounds checks, from one code and one scale
 //   pointer per lane at fixed offsets, in two register sets used in turn (no copies); the
 //   split's last < kRowBatch groups run one per warp after them.
-// Splits are sized for one wave of blocks (row_groups_per_split). Measured against the WMMA
-// form on an H200: docs/qpn.md, "The M = 1 kernel".
+// Splits are sized for at most one wave of blocks (row_groups_per_split). Measured against the
+// WMMA form on an H200: docs/qpn.md, "The M = 1 kernel".
 constexpr int kRowWarps = 4;
 constexpr int kRowThreads = kRowWarps * 32;
 constexpr int kRowAhead = 2;                         // groups per warp per load batch
