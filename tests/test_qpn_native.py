@@ -281,6 +281,26 @@ def test_cuda_m1_kernel_matches_the_reference_over_long_splits() -> None:
                              f"gated={gated} run to run")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_small_m_reads_an_unaligned_x_view(device, dtype) -> None:
+    """x may be a view that starts at any element (here: one element into its storage); the
+    small-M kernels read x in vectors (up to 16 bytes on CUDA), so such an x must give the same
+    bits as an aligned copy, not a misaligned-address fault that ends the CUDA context."""
+    k = 512
+    w = _weight(96, k, seed=3)
+    w = QPN2.prepare(NVFP4Weight(w.packed.to(device), w.scales.to(device), w.global_scale,
+                                 w.shape))
+    for m in (1, 2, 9):
+        x = _x(m, k, dtype, seed=m).to(device)
+        view = torch.empty(m * k + 1, dtype=dtype, device=device)[1:].view(m, k)
+        view.copy_(x)
+        assert view.data_ptr() % 16 != 0
+        for gated in (False, True):
+            run = QPN2.gate_up if gated else QPN2.linear
+            assert_bitwise_equal(run(view, w), run(x, w), f"M={m} gated={gated}")
+
+
 @needs_cuda
 def test_cuda_packed_is_deterministic_and_bitwise_its_partners() -> None:
     w = QPN2_PACKED.prepare(_cuda_weight(1024, 2048))

@@ -555,7 +555,10 @@ std::pair<at::Tensor, float> small_m_pass(const at::Tensor& x, int64_t r0, int64
 at::Tensor qpn2_small_m_cuda(const at::Tensor& x_in, const at::Tensor& buffer,
                              const at::Tensor& scales, double global_scale, const Geometry& g,
                              bool gated) {
-  const at::Tensor x = x_in.contiguous();
+  // The kernels read x in 4- to 16-byte vectors: a view that starts off a 16-byte boundary (a
+  // slice at an odd element, say) is copied to fresh storage first, not read misaligned.
+  at::Tensor x = x_in.contiguous();
+  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int64_t n_out = gated ? g.n / 2 : g.n;
   at::Tensor out = at::empty({g.m, n_out}, x.options());
