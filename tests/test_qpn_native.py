@@ -23,7 +23,7 @@ from dflash_kernels.gemm import (
     shared_workspace,
     workspace_bytes_per_tile,
 )
-from dflash_kernels.nvfp4 import NVFP4Weight, quantize
+from dflash_kernels.nvfp4 import NVFP4Weight, dequantize, quantize
 from pytest_dflash import hits
 from pytest_dflash.numerics import assert_bitwise_equal
 
@@ -279,6 +279,34 @@ def test_cuda_m1_kernel_matches_the_reference_over_long_splits() -> None:
         assert _rel(got, want) <= CUDA_TOLERANCE[torch.float16], f"gated={gated}"
         assert_bitwise_equal(QPN2.gate_up(x, w) if gated else QPN2.linear(x, w), got,
                              f"gated={gated} run to run")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_finite_e4m3_scale_decodes_exactly(device, dtype) -> None:
+    """Each column of this weight has its own block scale, one per finite non-negative e4m3
+    byte (normal, subnormal, zero; validation refuses negative scales): every decode of a
+    scale (the branch-free bit placements of the M = 1, WMMA and fp32 kernels, the dequantize
+    of the large-M path) must give the exact value, so each output is the exact dot product
+    up to fp32 summation order (and one fp16 rounding of the output). Global scale 2^-10: the
+    fp16 pre-scaled scales are exact too."""
+    codes = torch.arange(0x7F, dtype=torch.uint8)  # 0x7F is NaN
+    n, k = codes.numel(), 64  # K: the QPN contract's multiple of 64
+    gen = torch.Generator().manual_seed(5)
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    scales = codes.view(torch.float8_e4m3fn).reshape(n, 1).repeat(1, k // 16)
+    raw = NVFP4Weight(packed, scales, 2.0**-10, (n, k))
+    w = QPN2.prepare(NVFP4Weight(packed.to(device), scales.to(device), 2.0**-10, (n, k)))
+    dense = dequantize(raw, torch.float64)
+    for m, route in ((1, QPN2), (2, QPN2), (40, QPN4BoundedRoute())):
+        x = _x(m, k, dtype, seed=m)
+        exact = x.double() @ dense.T
+        bound = 1e-6 * (x.double().abs() @ dense.abs().T)
+        if dtype == torch.float16:
+            bound += 2.0**-11 * exact.abs() + 2.0**-24
+        got = route.linear(x.to(device), w).cpu().double()
+        worst = ((got - exact).abs() - bound).max().item()
+        assert worst <= 0, f"{route.name} M={m}: an output is off its exact value by {worst:g}"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])

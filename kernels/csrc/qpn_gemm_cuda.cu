@@ -56,10 +56,15 @@ constexpr int kStageBytes = 32 * kStageLd * 2;  // one warp's staging tile
 constexpr int64_t kWmmaGroupsPerSplit = 64;     // K groups per block of the fp16 kernel
 constexpr int kSmemBytes = 48 * 1024;  // default dynamic shared memory limit, every SM70+ GPU
 
+// e4m3 byte b times 2^7 in fp32, exactly and without a branch: b's 7 magnitude bits placed as
+// fp32 exponent/mantissa read as e4m3 * 2^-120, normal and subnormal alike (both formats'
+// subnormals line up at that shift); * 2^127 is exact for every e4m3 value.
+__device__ __forceinline__ float e4m3_times_128(uint32_t b) {
+  return __uint_as_float(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)) * 0x1p127f;
+}
+
 __device__ __forceinline__ float e4m3_to_float(uint32_t b) {
-  const uint32_t e = (b >> 3) & 0xF, m = b & 7;
-  const float v = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : m * 0.001953125f;
-  return (b & 0x80) ? -v : v;
+  return e4m3_times_128(b) * 0x1p-7f;  // exact: a power of two, far from fp32's limits
 }
 
 __device__ __forceinline__ float e2m1_to_float(uint32_t nib) {
@@ -237,13 +242,6 @@ constexpr int kRowWarps = 4;
 constexpr int kRowThreads = kRowWarps * 32;
 constexpr int kRowAhead = 2;                         // groups per warp per load batch
 constexpr int kRowBatch = kRowWarps * kRowAhead;     // groups per block per load batch
-
-// e4m3 byte b times 2^7 in fp32, exactly and without a branch: b's 7 magnitude bits placed as
-// fp32 exponent/mantissa read as e4m3 * 2^-120, normal and subnormal alike (both formats'
-// subnormals line up at that shift); * 2^127 is exact for every e4m3 value.
-__device__ __forceinline__ float e4m3_times_128(uint32_t b) {
-  return __uint_as_float(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)) * 0x1p127f;
-}
 
 __global__ void __launch_bounds__(kRowThreads) qpn2_row_kernel(SmallMArgs a) {
   extern __shared__ __align__(32) unsigned char smem[];
