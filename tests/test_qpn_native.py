@@ -264,15 +264,38 @@ def test_cuda_kernels_match_the_reference(dtype) -> None:
         assert 0 < route4.workspace_peak_bytes("cuda") <= bound
 
 
+def _cuda_kernel_names(fn) -> set[str]:
+    """Names of the CUDA kernels one call of ``fn`` ran (CUPTI, through torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+
+
 @needs_cuda
-def test_cuda_m1_kernel_matches_the_reference_over_long_splits() -> None:
-    """M = 1 has its own fp16 kernel (docs/qpn.md, "The M = 1 kernel"), whose splits are sized
-    by the SM count and the kernel's occupancy: on a small weight every split is one load
-    batch or less. This weight is wide enough (136 tiles) that each split runs several batches
-    in both register sets, plus a short last split, gated and not."""
+@pytest.mark.parametrize("body", ["mma", "simt"])
+def test_cuda_m1_kernel_matches_the_reference_over_long_splits(body, monkeypatch) -> None:
+    """M = 1 has its own fp16 kernel (docs/qpn.md, "The M = 1 kernel") with two bodies: WMMA
+    m16n16k16 fed straight from the lanes' registers where the device's fragment layout is the
+    one it is written for (sm_80+, probed once per device), SIMT fp32 elsewhere or when
+    $DFLASH_QPN_M1_SIMT asks for it. Its splits are sized by the SM count and the body's
+    occupancy: on a small weight every split is one load batch or less. This weight is wide
+    enough (136 tiles) that each split runs several batches in both register sets, plus a short
+    last split, gated and not. The kernel that ran is read back from the profiler."""
+    if body == "simt":
+        monkeypatch.setenv("DFLASH_QPN_M1_SIMT", "1")
+    else:
+        monkeypatch.delenv("DFLASH_QPN_M1_SIMT", raising=False)
+        if torch.cuda.get_device_capability() < (8, 0):
+            pytest.skip("the tensor-core M = 1 body needs the sm_80+ WMMA fragment layout")
     n, k = 4352, 4096 + 64
     w = QPN2.prepare(_cuda_weight(n, k, seed=7))
     x = _x(1, k, torch.float16, seed=1).cuda()
+    ran = _cuda_kernel_names(lambda: QPN2.linear(x, w))
+    wanted = f"qpn2_row_kernel<{'true' if body == 'mma' else 'false'}>"
+    assert any(wanted in name for name in ran), f"{wanted} did not run; ran: {sorted(ran)}"
     for gated in (False, True):
         got = QPN2.gate_up(x, w) if gated else QPN2.linear(x, w)
         want = ref.qpn2_linear(x, w, gated)

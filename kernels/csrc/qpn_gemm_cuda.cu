@@ -1,9 +1,9 @@
 // QPN2 / QPN4 NVFP4 GEMMs for CUDA: CUDA kernels of the `dflash_qpn` ops (schemas and the CPU
 // kernels are in qpn_gemm.cpp; shared checks, hit counters and workspaces in qpn_common.h).
 //
-// SM70 features only (the target deployment runs V100s): SIMT, WMMA 8x32x16 (fp16 in, fp32
-// accumulate), vendor GEMM through ATen's cuBLAS wrapper; no bf16, no cp.async, no ldmatrix-only
-// paths, no TMA or wgmma.
+// SM70 features only (the target deployment runs V100s): SIMT, WMMA 8x32x16 and 16x16x16
+// (fp16 in, fp32 accumulate), vendor GEMM through ATen's cuBLAS wrapper; no bf16, no cp.async,
+// no ldmatrix-only paths, no TMA or wgmma.
 //
 // qpn2 (small M, <= 32 rows per pass): one block per (32-column tile, K split); lane c of a warp
 // owns column c of the tile and each warp takes every W-th group of the split, so every code byte
@@ -24,8 +24,10 @@
 // ~64 groups fit 9 blocks per SM. Measured variants: docs/qpn.md.
 //
 // A pass of one row (M = 1, the decode step) has its own fp16 kernel, qpn2_row_kernel: the same
-// decode in SIMT fp32 (at one row the WMMA's staging tile cost more than the tensor core saved:
-// docs/qpn.md), a lean loop and splits sized for at most one wave of blocks.
+// decode with no staging tile, the lane's own pairs put straight into the A fragments of WMMA
+// m16n16k16 against a block-diagonal x (where the device's fragment layout is the one it was
+// written for: sm_80 and newer), or in SIMT fp32 (everywhere else, SM70 included, or on
+// request: $DFLASH_QPN_M1_SIMT=1); docs/qpn.md, "The M = 1 kernel".
 //
 // qpn4_bounded (large M): a chunk of whole tiles of the QPN4 view is dequantized into the
 // bounded workspace (fp16 for fp16 inputs: e2m1 x fp16 pre-scaled scale with its 2^14 bias, or
@@ -43,6 +45,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 namespace dflash_qpn {
 namespace {
@@ -93,14 +97,21 @@ __host__ __device__ __forceinline__ int x_stage_ld(int64_t groups) {
 // The 8 codes of word w (code i in bits 4i..4i+3, i.e. k = i of this word) as 4 fp16 pairs:
 // pair j holds codes j (low half) and j + 4 (high half), which sit 16 bits apart in w, so one
 // shift places both. A code's 3 magnitude bits placed as fp16 exponent/mantissa give
-// e2m1 * 2^-14 exactly (fp16 subnormals cover 0.5 * 2^-14), its sign bit is the fp16 sign.
-// About 4 integer operations per pair; the k order this leaves (0, 4, 1, 5, 2, 6, 3, 7) is
-// undone by staging x in the same order (interleave_halves).
+// e2m1 * 2^-14 exactly (fp16 subnormals cover 0.5 * 2^-14), its sign bit is the fp16 sign. In
+// w a sign sits 3 bits above its magnitude, in fp16 6 bits: so w and w rotated by 3 are merged
+// twice, once keeping the even codes' magnitudes (and the signs 6 bits above them), once the
+// odd codes', and each pair is then one shift (a rotation for codes 3 and 7, whose sign wrapped
+// round) and one mask: 11 integer operations per word, where separate shifts for magnitude and
+// sign took 16 (the same bits: every one of the 2^32 words was compared on an H200, docs/qpn.md).
+// The k order this leaves (0, 4, 1, 5, 2, 6, 3, 7) is undone by staging x in the same order.
 __device__ __forceinline__ void e2m1_word_pairs(uint32_t w, uint32_t* h) {
-  h[0] = ((w << 9) & 0x0E000E00u) | ((w << 12) & 0x80008000u);
-  h[1] = ((w << 5) & 0x0E000E00u) | ((w << 8) & 0x80008000u);
-  h[2] = ((w << 1) & 0x0E000E00u) | ((w << 4) & 0x80008000u);
-  h[3] = ((w >> 3) & 0x0E000E00u) | (w & 0x80008000u);
+  const uint32_t t = __funnelshift_l(w, w, 3);                  // each sign 3 bits up
+  const uint32_t even = (w & 0x07070707u) | (t & ~0x07070707u);  // codes 0, 2, 4, 6
+  const uint32_t odd = (w & 0x70707070u) | (t & ~0x70707070u);    // codes 1, 3, 5, 7
+  h[0] = (even << 9) & 0x8E008E00u;
+  h[1] = (odd << 5) & 0x8E008E00u;
+  h[2] = (even << 1) & 0x8E008E00u;
+  h[3] = __funnelshift_r(odd, odd, 3) & 0x8E008E00u;
 }
 
 // 8 consecutive halves (h0..h7) in the k order of e2m1_word_pairs: h0 h4 h1 h5 h2 h6 h3 h7.
@@ -224,31 +235,66 @@ __global__ void __launch_bounds__(kWmmaThreads) qpn2_wmma_kernel(SmallMArgs a) {
   }
 }
 
-// qpn2 at M = 1 (a pass of one row: the decode step), in SIMT fp32: no staging tile, no tensor
-// core. At one row a WMMA spends 2 KiB of shared-memory traffic per warp and group (the decoded
-// tile stored and loaded back) to use 1/8 of an 8-row MMA; here lane c keeps column c's codes
-// in registers: e2m1_word_pairs places a pair of codes as fp16 (e2m1 * 2^-14, exact), each half
-// is widened to fp32 (exact) and FMA'd with x in fp32, the group's sum is scaled once by its
-// e4m3 scale in fp32 (e4m3_times_128) and added to the lane's running sum. Every product is
-// exact and every sum is fp32, in a fixed order (the group's two halves, then groups in the
-// warp's order, then the warps in warp order), as in the WMMA kernels.
-// - x is staged once per block as fp32, [group][16]: the warp's reads of it are broadcasts;
+// qpn2 at M = 1 (a pass of one row: the decode step). Lane c of a warp keeps column c's codes
+// in registers (one 8-byte load per group) and e2m1_word_pairs places them as fp16 pairs
+// (e2m1 * 2^-14, exact); no staging tile. Two bodies share the loop (kMma):
+// - SIMT fp32 (every device): each half is widened to fp32 (exact) and FMA'd with x in fp32,
+//   the group's sum is scaled once by its e4m3 scale in fp32 (e4m3_times_128) and added to the
+//   lane's running sum. x is staged as fp32, [group][16].
+// - tensor core (devices whose WMMA m16n16k16 fragments have the sm_80+ layout, checked once per
+//   device by wmma_layout_probe): the pairs, scaled in fp16 (e4m3_x128_pair: exact), go
+//   straight into the A fragments of two m16n16k16 MMAs, as they are: lane (g, q) = 4g + q owns
+//   rows g and g + 8 of the fragment at k slots {2q, 2q+1, 2q+8, 2q+9}, and puts its own
+//   column's codes there (codes {0,4,1,5} in row g, {2,6,3,7} in row g + 8 of the first MMA;
+//   {8,12,9,13} and {10,14,11,15} of the second). B is block diagonal: column q + 4i holds x of
+//   code set i in the slots of k block q and zeros elsewhere, so D[g][q + 4i] (i = 0, 2) and
+//   D[g + 8][q + 4i] (i = 1, 3) are column 4g + q's sums over its set i, while the other
+//   outputs are never read. Only the 8 lanes with g % 4 == q hold non-zero B (x staged once
+//   per block in that order, [group][16] fp16); the others read 16 zero bytes. At the end a
+//   lane adds its sets (0 + 2, 1 + 3) and one shuffle adds the two halves. The MMA replaces
+//   the 16 widenings and 16 FMAs per group and lane of the SIMT body (docs/qpn.md, "The M = 1
+//   kernel").
+// Every product is exact and every sum fp32 in a fixed order (sets, then groups in the warp's
+// order, then the warps in warp order), bitwise identical run to run.
 // - full batches of kRowBatch groups run without bounds checks, from one code and one scale
 //   pointer per lane at fixed offsets, in two register sets used in turn (no copies); the
 //   split's last < kRowBatch groups run one per warp after them.
-// Splits are sized for at most one wave of blocks (row_groups_per_split). Measured against the
-// WMMA form on an H200: docs/qpn.md, "The M = 1 kernel".
+// Splits are sized for at most one wave of blocks (row_groups_per_split).
 constexpr int kRowWarps = 4;
 constexpr int kRowThreads = kRowWarps * 32;
-constexpr int kRowAhead = 2;                         // groups per warp per load batch
-constexpr int kRowBatch = kRowWarps * kRowAhead;     // groups per block per load batch
+// Groups per warp per load batch: 4 for the tensor-core body (whose loads are what is left to
+// hide), 2 for the SIMT body (4 took registers and blocks without a gain; docs/qpn.md).
+__host__ __device__ constexpr int row_ahead(bool mma) { return mma ? 4 : 2; }
+// Groups per block per load batch.
+__host__ __device__ constexpr int row_batch(bool mma) { return kRowWarps * row_ahead(mma); }
 
+using RowFragA = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half,
+                                        nvcuda::wmma::row_major>;
+using RowFragB = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half,
+                                        nvcuda::wmma::col_major>;
+using RowAcc = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>;
+
+// Fills a 16-half fragment whose elements 8..15 repeat 0..7 (the sm_80+ layout): register j
+// (two halves; the fragment is 8-byte aligned, as the WMMA intrinsics read it) is r[j % 4].
+template <typename Frag>
+__device__ __forceinline__ void set_pairs(Frag& f, uint32_t r0, uint32_t r1, uint32_t r2,
+                                          uint32_t r3) {
+  static_assert(Frag::num_elements == 16, "16 halves per lane");
+  uint32_t* regs = reinterpret_cast<uint32_t*>(f.x);
+  regs[0] = regs[4] = r0;
+  regs[1] = regs[5] = r1;
+  regs[2] = regs[6] = r2;
+  regs[3] = regs[7] = r3;
+}
+
+template <bool kMma>
 __global__ void __launch_bounds__(kRowThreads) qpn2_row_kernel(SmallMArgs a) {
+  using namespace nvcuda;
+  constexpr int kRowAhead = row_ahead(kMma), kRowBatch = row_batch(kMma);
   extern __shared__ __align__(32) unsigned char smem[];
   const int t = blockIdx.x, s = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t g0 = s * a.groups_per_split;
   const int ng = static_cast<int>(min(a.groups_per_split, a.groups - g0));
-  float* xs = reinterpret_cast<float*>(smem);  // [group][16]
   // this warp's first group: local group gl is at (gl - warp) * 32 from these
   const uint2* codes =
       reinterpret_cast<const uint2*>(a.buffer) + (t * a.groups + g0 + warp) * 32 + lane;
@@ -265,29 +311,74 @@ __global__ void __launch_bounds__(kRowThreads) qpn2_row_kernel(SmallMArgs a) {
     }
   };
   if (batches > 0) load_batch(0, code_a, sb_a);  // the first weights fly while x is staged
-  const __half2* x = reinterpret_cast<const __half2*>(static_cast<const __half*>(a.x) + g0 * 16);
-  for (int i = threadIdx.x; i < ng * 8; i += kRowThreads)
-    reinterpret_cast<float2*>(xs)[i] = __half22float2(x[i]);
+
+  const __half* x = static_cast<const __half*>(a.x) + g0 * 16;
+  float acc = 0.0f;                // SIMT body
+  RowAcc acc1, acc2;               // tensor-core body: code sets 0, 1 and 2, 3
+  const uint4* xb = nullptr;       // tensor-core body: this lane's B pairs of group 0
+  int xb_stride = 0;               // (in uint4) and their stride
+  if constexpr (kMma) {
+    // [group][16] fp16 in the B order (x0 x4 x1 x5 x8 x12 x9 x13 | x2 x6 x3 x7 x10 x14 x11 x15),
+    // then 16 zero bytes for the lanes that hold no x
+    uint4* xs = reinterpret_cast<uint4*>(smem);
+    const uint4* xg = reinterpret_cast<const uint4*>(x);
+    for (int i = threadIdx.x; i < ng; i += kRowThreads) {
+      const uint4 v0 = xg[2 * i], v1 = xg[2 * i + 1];
+      xs[2 * i] = make_uint4(__byte_perm(v0.x, v0.z, 0x5410), __byte_perm(v0.x, v0.z, 0x7632),
+                             __byte_perm(v1.x, v1.z, 0x5410), __byte_perm(v1.x, v1.z, 0x7632));
+      xs[2 * i + 1] =
+          make_uint4(__byte_perm(v0.y, v0.w, 0x5410), __byte_perm(v0.y, v0.w, 0x7632),
+                     __byte_perm(v1.y, v1.w, 0x5410), __byte_perm(v1.y, v1.w, 0x7632));
+    }
+    if (threadIdx.x == 0) xs[2 * ng] = make_uint4(0, 0, 0, 0);
+    const int g = lane / 4, q = lane % 4;
+    const bool holds_x = g % 4 == q;
+    xb = holds_x ? xs + g / 4 : xs + 2 * ng;
+    xb_stride = holds_x ? 2 : 0;
+    wmma::fill_fragment(acc1, 0.0f);
+    wmma::fill_fragment(acc2, 0.0f);
+  } else {
+    float* xs = reinterpret_cast<float*>(smem);  // [group][16]
+    const __half2* x2 = reinterpret_cast<const __half2*>(x);
+    for (int i = threadIdx.x; i < ng * 8; i += kRowThreads)
+      reinterpret_cast<float2*>(xs)[i] = __half22float2(x2[i]);
+  }
   __syncthreads();
 
-  float acc = 0.0f;
   auto add_group = [&](int gl, uint2 code, uint32_t sb) {
-    const float4* xq = reinterpret_cast<const float4*>(xs + gl * 16);
-    const float4 q0 = xq[0], q1 = xq[1], q2 = xq[2], q3 = xq[3];
-    const float xv[16] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w,
-                          q2.x, q2.y, q2.z, q2.w, q3.x, q3.y, q3.z, q3.w};
     uint32_t h[8];
     e2m1_word_pairs(code.x, h);
     e2m1_word_pairs(code.y, h + 4);
-    float lo = 0.0f, hi = 0.0f;  // codes j and j + 4 of each word
+    if constexpr (kMma) {
+      const uint4 xv = xb[gl * xb_stride];
+      const __half2 s2 = e4m3_x128_pair(sb);  // e4m3 * 2^7 in fp16, exact
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h[j]));
-      const int k = (j / 4) * 8 + j % 4;
-      lo = fmaf(v.x, xv[k], lo);
-      hi = fmaf(v.y, xv[k + 4], hi);
+      for (int j = 0; j < 8; ++j) {
+        __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&h[j]), s2);  // exact
+        h[j] = *reinterpret_cast<uint32_t*>(&v);
+      }
+      RowFragA a1, a2;
+      RowFragB bf;
+      set_pairs(a1, h[0], h[2], h[1], h[3]);
+      set_pairs(a2, h[4], h[6], h[5], h[7]);
+      set_pairs(bf, xv.x, xv.y, xv.z, xv.w);
+      wmma::mma_sync(acc1, a1, bf, acc1);
+      wmma::mma_sync(acc2, a2, bf, acc2);
+    } else {
+      const float4* xq = reinterpret_cast<const float4*>(smem) + gl * 4;
+      const float4 q0 = xq[0], q1 = xq[1], q2 = xq[2], q3 = xq[3];
+      const float xv[16] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w,
+                            q2.x, q2.y, q2.z, q2.w, q3.x, q3.y, q3.z, q3.w};
+      float lo = 0.0f, hi = 0.0f;  // codes j and j + 4 of each word
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h[j]));
+        const int k = (j / 4) * 8 + j % 4;
+        lo = fmaf(v.x, xv[k], lo);
+        hi = fmaf(v.y, xv[k + 4], hi);
+      }
+      acc = fmaf(e4m3_times_128(sb), lo + hi, acc);  // e2m1 * e4m3 * 2^-7 per product
     }
-    acc = fmaf(e4m3_times_128(sb), lo + hi, acc);  // e2m1 * e4m3 * 2^-7 per product
   };
   for (int b = 0; b < batches; b += 2) {
     if (b + 1 < batches) load_batch(b + 1, code_b, sb_b);
@@ -306,13 +397,55 @@ __global__ void __launch_bounds__(kRowThreads) qpn2_row_kernel(SmallMArgs a) {
 
   __syncthreads();  // xs is reused for the warps' sums
   float* red = reinterpret_cast<float*>(smem);  // [warp][32]
-  red[warp * 32 + lane] = acc;
+  if constexpr (kMma) {
+    // lane (g, q < 2) ends with columns 4g + 2q + j (sets 0 + 2), lane (g, q + 2) with the
+    // same columns' sets 1 + 3
+    const int g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float mine = q < 2 ? acc1.x[j] + acc2.x[4 + j] : acc1.x[2 + j] + acc2.x[6 + j];
+      const float other = __shfl_xor_sync(0xFFFFFFFFu, mine, 2);
+      if (q < 2) red[warp * 32 + 4 * g + 2 * q + j] = mine + other;
+    }
+  } else {
+    red[warp * 32 + lane] = acc;
+  }
   __syncthreads();
   if (threadIdx.x < 32) {
     float sum = 0.0f;
     for (int w = 0; w < kRowWarps; ++w) sum += red[w * 32 + threadIdx.x];
     a.partials[s * a.n_padded + t * 32 + threadIdx.x] = sum;
   }
+}
+
+// Whether the current device's WMMA m16n16k16 fp16 fragments (A row-major, B col-major, fp32
+// accumulator) have the layout qpn2_row_kernel<true> writes: element e of lane (g, q) at row
+// g + 8 * bit1(e), column 2q + bit0(e) + 8 * bit2(e) (B: k and n in those roles), elements
+// 8..15 repeating 0..7. Measured on an H200 (docs/qpn.md); SM70's fragments differ.
+__global__ void wmma_layout_probe(int* ok) {
+  using namespace nvcuda;
+  __shared__ __half mat[256];
+  __shared__ float acc_mat[256];
+  for (int i = threadIdx.x; i < 256; i += 32) {
+    mat[i] = __int2half_rn(i);  // exact: integers below 2048
+    acc_mat[i] = static_cast<float>(i);
+  }
+  __syncwarp();
+  RowFragA fa;
+  RowFragB fb;
+  RowAcc fc;
+  wmma::load_matrix_sync(fa, mat, 16);  // A[r][c] = r * 16 + c
+  wmma::load_matrix_sync(fb, mat, 16);  // B[k][n] = n * 16 + k
+  wmma::load_matrix_sync(fc, acc_mat, 16, wmma::mem_row_major);
+  const int g = threadIdx.x / 4, q = threadIdx.x % 4;
+  bool good = fa.num_elements == 16 && fb.num_elements == 16 && fc.num_elements == 8;
+  for (int e = 0; e < 16; ++e) {
+    const int f = e % 8, row = g + 8 * ((f >> 1) & 1), col = 2 * q + (f & 1) + 8 * (f >> 2);
+    const int k = 2 * q + (f & 1) + 8 * ((f >> 1) & 1), n = g + 8 * (f >> 2);
+    good = good && __half2int_rn(fa.x[e]) == row * 16 + col &&
+           __half2int_rn(fb.x[e]) == n * 16 + k && (e >= 8 || fc.x[e] == row * 16 + col);
+  }
+  if (__all_sync(0xFFFFFFFFu, good) && threadIdx.x == 0) *ok = 1;
 }
 
 template <int MR>  // rows per pass handled in registers
@@ -448,15 +581,41 @@ int sm_count() {
   });
 }
 
-// Blocks of qpn2_row_kernel one SM holds at once (its registers decide: its x takes a few KiB).
+// Blocks of qpn2_row_kernel<kMma> one SM holds at once (its registers decide: its x takes a few
+// KiB).
+template <bool kMma>
 int row_blocks_per_sm() {
   static int blocks[64] = {0};
   return cached_for_device(blocks, [](int) {
     int n = 0;
-    C10_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, qpn2_row_kernel, kRowThreads, 0));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, qpn2_row_kernel<kMma>,
+                                                                 kRowThreads, 0));
     return std::max(n, 1);
   });
+}
+
+// Whether M = 1 runs the tensor-core body of qpn2_row_kernel on the current device: its WMMA
+// fragments have the layout that body writes (wmma_layout_probe, run once per device; not while
+// the stream is being captured into a graph, where that call takes the SIMT body), and
+// $DFLASH_QPN_M1_SIMT does not ask for the SIMT body.
+bool row_kernel_uses_mma(cudaStream_t stream) {
+  const char* simt = std::getenv("DFLASH_QPN_M1_SIMT");
+  if (simt != nullptr && simt[0] != '\0' && std::strcmp(simt, "0") != 0) return false;
+  static int verdict[64] = {0};  // 0 not probed, 1 layout as expected, 2 not
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 64 && verdict[dev] == 0) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) return false;
+  }
+  return cached_for_device(verdict, [stream](int index) {
+           at::Tensor ok = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(
+                                              at::kCUDA, static_cast<c10::DeviceIndex>(index)));
+           wmma_layout_probe<<<1, 32, 0, stream>>>(ok.data_ptr<int>());
+           C10_CUDA_KERNEL_LAUNCH_CHECK();
+           return ok.item<int>() == 1 ? 1 : 2;
+         }) == 1;
 }
 
 int grid_for(int64_t items) {
@@ -474,14 +633,21 @@ int64_t groups_per_split(const Geometry& g, int64_t max_groups) {
   return std::max<int64_t>(1, per);
 }
 
-// Groups per split of qpn2_row_kernel: at most one wave of blocks (every SM full at the kernel's
-// occupancy), x within the default shared memory, rounded up to whole batches. Measured on an
-// H200 (12 blocks per SM): 64 groups (5 splits) for gate/up, 32 (9 splits) for down.
+// Groups per split of qpn2_row_kernel<kMma>, rounded up to whole batches, x within the default
+// shared memory. SIMT body: at most one wave of blocks (every SM full at the kernel's
+// occupancy); on an H200 (12 blocks per SM) 64 groups (5 splits) for gate/up, 32 (9 splits)
+// for down. Tensor-core body: about two waves, at most kRowMmaGroupsPerSplit groups; on an H200
+// (8 blocks per SM) 48 groups (7 splits) for gate/up, 32 (9 splits) for down. Measured over
+// 24-128 groups per split: docs/qpn.md, "What the eighth round measured".
+constexpr int64_t kRowMmaGroupsPerSplit = 48;
+template <bool kMma>
 int64_t row_groups_per_split(const Geometry& g) {
-  const int64_t blocks = int64_t(row_blocks_per_sm()) * sm_count();
-  const int64_t want = std::max<int64_t>(1, blocks / g.tiles);  // splits per tile
-  const int64_t per = std::min<int64_t>((g.groups + want - 1) / want, kSmemBytes / (16 * 4));
-  return (per + kRowBatch - 1) / kRowBatch * kRowBatch;
+  const int64_t blocks = int64_t(row_blocks_per_sm<kMma>()) * sm_count() * (kMma ? 2 : 1);
+  const int64_t want = std::max<int64_t>(1, kMma ? (blocks + g.tiles - 1) / g.tiles
+                                                 : blocks / g.tiles);  // splits per tile
+  int64_t per = std::min<int64_t>((g.groups + want - 1) / want, kSmemBytes / (16 * 4));
+  if (kMma) per = std::min(per, kRowMmaGroupsPerSplit);
+  return (per + row_batch(kMma) - 1) / row_batch(kMma) * row_batch(kMma);
 }
 
 template <typename Kernel>
@@ -505,9 +671,12 @@ std::pair<at::Tensor, float> small_m_pass(const at::Tensor& x, int64_t r0, int64
   const int rows_pad = static_cast<int>((rows + 7) / 8 * 8);
   int64_t per;
   size_t smem;
+  const bool row_mma = half && rows == 1 && row_kernel_uses_mma(stream);
   if (half && rows == 1) {
-    per = row_groups_per_split(g);
-    smem = std::max(size_t(per) * 16 * 4, size_t(kRowWarps) * 32 * 4);  // x; the warps' sums
+    per = row_mma ? row_groups_per_split<true>(g) : row_groups_per_split<false>(g);
+    // x (fp16 and 16 zero bytes, or fp32); the warps' sums
+    const size_t xs = row_mma ? (size_t(per) * 2 + 1) * 16 : size_t(per) * 16 * 4;
+    smem = std::max(xs, size_t(kRowWarps) * 32 * 4);
   } else if (half) {
     const int mb = rows_pad / 8;
     // xs: [8 mb][x_stage_ld(per)] halves, then a staging tile per warp; reduction: warps x 8 mb
@@ -532,7 +701,8 @@ std::pair<at::Tensor, float> small_m_pass(const at::Tensor& x, int64_t r0, int64
                buffer.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), g.groups, per,
                g.n_padded, partials.data_ptr<float>()};
   if (half && rows == 1) {
-    launch_small_m(qpn2_row_kernel, kRowThreads, a, splits, smem, stream);
+    if (row_mma) launch_small_m(qpn2_row_kernel<true>, kRowThreads, a, splits, smem, stream);
+    else launch_small_m(qpn2_row_kernel<false>, kRowThreads, a, splits, smem, stream);
     return {partials, static_cast<float>(global_scale * 128.0)};
   }
   if (half) {
