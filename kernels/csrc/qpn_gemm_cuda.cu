@@ -323,12 +323,9 @@ __global__ void __launch_bounds__(kRowThreads) qpn2_row_kernel(SmallMArgs a) {
     uint4* xs = reinterpret_cast<uint4*>(smem);
     const uint4* xg = reinterpret_cast<const uint4*>(x);
     for (int i = threadIdx.x; i < ng; i += kRowThreads) {
-      const uint4 v0 = xg[2 * i], v1 = xg[2 * i + 1];
-      xs[2 * i] = make_uint4(__byte_perm(v0.x, v0.z, 0x5410), __byte_perm(v0.x, v0.z, 0x7632),
-                             __byte_perm(v1.x, v1.z, 0x5410), __byte_perm(v1.x, v1.z, 0x7632));
-      xs[2 * i + 1] =
-          make_uint4(__byte_perm(v0.y, v0.w, 0x5410), __byte_perm(v0.y, v0.w, 0x7632),
-                     __byte_perm(v1.y, v1.w, 0x5410), __byte_perm(v1.y, v1.w, 0x7632));
+      const uint4 lo = interleave_halves(xg[2 * i]), hi = interleave_halves(xg[2 * i + 1]);
+      xs[2 * i] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      xs[2 * i + 1] = make_uint4(lo.z, lo.w, hi.z, hi.w);
     }
     if (threadIdx.x == 0) xs[2 * ng] = make_uint4(0, 0, 0, 0);
     const int g = lane / 4, q = lane % 4;
