@@ -259,14 +259,11 @@ __global__ void __launch_bounds__(kWmmaThreads) qpn2_wmma_kernel(SmallMArgs a) {
 // - full batches of kRowBatch groups run without bounds checks, from one code and one scale
 //   pointer per lane at fixed offsets, in two register sets used in turn (no copies); the
 //   split's last < kRowBatch groups run one per warp after them.
-// Splits are sized for at most one wave of blocks (row_groups_per_split).
+// Splits and load depth per layer: row_plan.
 constexpr int kRowWarps = 4;
 constexpr int kRowThreads = kRowWarps * 32;
-// Groups per warp per load batch: 4 for the tensor-core body (whose loads are what is left to
-// hide), 2 for the SIMT body (4 took registers and blocks without a gain; docs/qpn.md).
-__host__ __device__ constexpr int row_ahead(bool mma) { return mma ? 4 : 2; }
-// Groups per block per load batch.
-__host__ __device__ constexpr int row_batch(bool mma) { return kRowWarps * row_ahead(mma); }
+// Groups per block per load batch of kAhead groups per warp.
+__host__ __device__ constexpr int row_batch(int ahead) { return kRowWarps * ahead; }
 
 using RowFragA = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half,
                                         nvcuda::wmma::row_major>;
@@ -287,10 +284,10 @@ __device__ __forceinline__ void set_pairs(Frag& f, uint32_t r0, uint32_t r1, uin
   regs[3] = regs[7] = r3;
 }
 
-template <bool kMma>
+template <bool kMma, int kRowAhead>
 __global__ void __launch_bounds__(kRowThreads) qpn2_row_kernel(SmallMArgs a) {
   using namespace nvcuda;
-  constexpr int kRowAhead = row_ahead(kMma), kRowBatch = row_batch(kMma);
+  constexpr int kRowBatch = row_batch(kRowAhead);
   extern __shared__ __align__(32) unsigned char smem[];
   const int t = blockIdx.x, s = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t g0 = s * a.groups_per_split;
@@ -416,7 +413,7 @@ __global__ void __launch_bounds__(kRowThreads) qpn2_row_kernel(SmallMArgs a) {
 }
 
 // Whether the current device's WMMA m16n16k16 fp16 fragments (A row-major, B col-major, fp32
-// accumulator) have the layout qpn2_row_kernel<true> writes: element e of lane (g, q) at row
+// accumulator) have the layout qpn2_row_kernel<true, *> writes: element e of lane (g, q) at row
 // g + 8 * bit1(e), column 2q + bit0(e) + 8 * bit2(e) (B: k and n in those roles), elements
 // 8..15 repeating 0..7. Measured on an H200 (docs/qpn.md); SM70's fragments differ.
 __global__ void wmma_layout_probe(int* ok) {
@@ -523,26 +520,27 @@ __device__ __forceinline__ void sum_splits(const float* p, int64_t second, int s
 }
 
 // out[row][j] = alpha * sum over splits (in split order), SiLU-gated if asked, cast once.
+// Its index math is 32-bit (the host checks that a pass fits): 64-bit divisions took 0.2-0.3 us
+// of a 1.5-1.8 us kernel on an H200.
 template <typename Out>
-__global__ void small_m_finish_kernel(const float* partials, int splits, int64_t rows,
-                                      int64_t n_padded, int64_t n, bool gated, float alpha,
-                                      Out* out, int64_t ldo) {
-  const int64_t n_out = gated ? n / 2 : n;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * n_out;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = i / n_out, j = i % n_out;
-    const float* p = partials + row * n_padded + j;
+__global__ void small_m_finish_kernel(const float* partials, int splits, int rows, int n_padded,
+                                      int n, bool gated, float alpha, Out* out, int ldo) {
+  const int n_out = gated ? n / 2 : n;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < rows * n_out;
+       i += gridDim.x * blockDim.x) {
+    const int row = rows == 1 ? 0 : i / n_out, j = i - row * n_out;
+    const float* p = partials + int64_t(row) * n_padded + j;
     float y;
     if (gated) {
       float gate_up[2];
-      sum_splits(p, n / 2, splits, rows * n_padded, gate_up);
+      sum_splits(p, n / 2, splits, int64_t(rows) * n_padded, gate_up);
       y = silu(gate_up[0] * alpha) * (gate_up[1] * alpha);
     } else {
       float sum[1];
-      sum_splits(p, 0, splits, rows * n_padded, sum);
+      sum_splits(p, 0, splits, int64_t(rows) * n_padded, sum);
       y = sum[0] * alpha;
     }
-    store(out + row * ldo + j, y);
+    store(out + int64_t(row) * ldo + j, y);
   }
 }
 
@@ -578,15 +576,15 @@ int sm_count() {
   });
 }
 
-// Blocks of qpn2_row_kernel<kMma> one SM holds at once (its registers decide: its x takes a few
-// KiB).
-template <bool kMma>
+// Blocks of qpn2_row_kernel<kMma, kAhead> one SM holds at once (its registers decide: its x
+// takes a few KiB).
+template <bool kMma, int kAhead>
 int row_blocks_per_sm() {
   static int blocks[64] = {0};
   return cached_for_device(blocks, [](int) {
     int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, qpn2_row_kernel<kMma>,
-                                                                 kRowThreads, 0));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n, qpn2_row_kernel<kMma, kAhead>, kRowThreads, 0));
     return std::max(n, 1);
   });
 }
@@ -630,21 +628,42 @@ int64_t groups_per_split(const Geometry& g, int64_t max_groups) {
   return std::max<int64_t>(1, per);
 }
 
-// Groups per split of qpn2_row_kernel<kMma>, rounded up to whole batches, x within the default
-// shared memory. SIMT body: at most one wave of blocks (every SM full at the kernel's
-// occupancy); on an H200 (12 blocks per SM) 64 groups (5 splits) for gate/up, 32 (9 splits)
-// for down. Tensor-core body: about two waves, at most kRowMmaGroupsPerSplit groups; on an H200
-// (8 blocks per SM) 48 groups (7 splits) for gate/up, 32 (9 splits) for down. Measured over
-// 24-128 groups per split: docs/qpn.md, "What the eighth round measured".
+// Groups per split of qpn2_row_kernel<kMma, kAhead>, rounded up to whole batches, x within the
+// default shared memory. SIMT body: at most one wave of blocks (every SM full at the kernel's
+// occupancy); on an H200 (12 blocks per SM) 64 groups (5 splits) for gate/up, 32 (9 splits) for
+// down. Tensor-core body: about two waves, at most kRowMmaGroupsPerSplit groups before the
+// rounding. Measured over 24-128 groups per split: docs/qpn.md, "What the eighth round
+// measured".
 constexpr int64_t kRowMmaGroupsPerSplit = 48;
-template <bool kMma>
+template <bool kMma, int kAhead>
 int64_t row_groups_per_split(const Geometry& g) {
-  const int64_t blocks = int64_t(row_blocks_per_sm<kMma>()) * sm_count() * (kMma ? 2 : 1);
+  const int64_t blocks =
+      int64_t(row_blocks_per_sm<kMma, kAhead>()) * sm_count() * (kMma ? 2 : 1);
   const int64_t want = std::max<int64_t>(1, kMma ? (blocks + g.tiles - 1) / g.tiles
                                                  : blocks / g.tiles);  // splits per tile
   int64_t per = std::min<int64_t>((g.groups + want - 1) / want, kSmemBytes / (16 * 4));
   if (kMma) per = std::min(per, kRowMmaGroupsPerSplit);
-  return (per + row_batch(kMma) - 1) / row_batch(kMma) * row_batch(kMma);
+  return (per + row_batch(kAhead) - 1) / row_batch(kAhead) * row_batch(kAhead);
+}
+
+// How qpn2_row_kernel runs one layer: its body, load depth (groups per warp per batch) and
+// groups per split. SIMT: 2 (4 took registers and blocks without a gain). Tensor core: 8 where
+// that depth's splits give every block at least two batches, each batch's loads hidden behind
+// the other's work (gate/up on an H200: 64 groups, 5 splits, 5 blocks of 88 registers per SM),
+// else 4 (64 registers, 8 blocks per SM; down on an H200: 32 groups, 9 splits). Deeper batches
+// on fewer blocks pay only where the blocks run long: measured in docs/qpn.md, "What the ninth
+// round measured".
+struct RowPlan {
+  bool mma;
+  int ahead;
+  int64_t per;
+};
+
+RowPlan row_plan(const Geometry& g, bool mma) {
+  if (!mma) return {false, 2, row_groups_per_split<false, 2>(g)};
+  const int64_t deep = row_groups_per_split<true, 8>(g);
+  if (deep >= 2 * row_batch(8)) return {true, 8, deep};
+  return {true, 4, row_groups_per_split<true, 4>(g)};
 }
 
 template <typename Kernel>
@@ -668,11 +687,12 @@ std::pair<at::Tensor, float> small_m_pass(const at::Tensor& x, int64_t r0, int64
   const int rows_pad = static_cast<int>((rows + 7) / 8 * 8);
   int64_t per;
   size_t smem;
-  const bool row_mma = half && rows == 1 && row_kernel_uses_mma(stream);
+  RowPlan row{};
   if (half && rows == 1) {
-    per = row_mma ? row_groups_per_split<true>(g) : row_groups_per_split<false>(g);
+    row = row_plan(g, row_kernel_uses_mma(stream));
+    per = row.per;
     // x (fp16 and 16 zero bytes, or fp32); the warps' sums
-    const size_t xs = row_mma ? (size_t(per) * 2 + 1) * 16 : size_t(per) * 16 * 4;
+    const size_t xs = row.mma ? (size_t(per) * 2 + 1) * 16 : size_t(per) * 16 * 4;
     smem = std::max(xs, size_t(kRowWarps) * 32 * 4);
   } else if (half) {
     const int mb = rows_pad / 8;
@@ -698,8 +718,10 @@ std::pair<at::Tensor, float> small_m_pass(const at::Tensor& x, int64_t r0, int64
                buffer.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), g.groups, per,
                g.n_padded, partials.data_ptr<float>()};
   if (half && rows == 1) {
-    if (row_mma) launch_small_m(qpn2_row_kernel<true>, kRowThreads, a, splits, smem, stream);
-    else launch_small_m(qpn2_row_kernel<false>, kRowThreads, a, splits, smem, stream);
+    const auto kernel = !row.mma         ? qpn2_row_kernel<false, 2>
+                        : row.ahead == 8 ? qpn2_row_kernel<true, 8>
+                                         : qpn2_row_kernel<true, 4>;
+    launch_small_m(kernel, kRowThreads, a, splits, smem, stream);
     return {partials, static_cast<float>(global_scale * 128.0)};
   }
   if (half) {
@@ -726,6 +748,11 @@ at::Tensor qpn2_small_m_cuda(const at::Tensor& x_in, const at::Tensor& buffer,
   if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int64_t n_out = gated ? g.n / 2 : g.n;
+  // The finishing kernel indexes a pass in 32 bits: up to 32 rows of Np outputs, far above any
+  // layer's (gate/up: Np = 8704).
+  TORCH_CHECK(g.n_padded * kMaxSmallM < (int64_t(1) << 31), "qpn2: N = ", g.n,
+              " is beyond the small-M kernels' 32-bit indexing (N * 32 must stay below 2^31); "
+              "split the weight into narrower ones");
   at::Tensor out = at::empty({g.m, n_out}, x.options());
   poison(out);
   for (int64_t r0 = 0; r0 < g.m; r0 += kMaxSmallM) {
@@ -736,12 +763,15 @@ at::Tensor qpn2_small_m_cuda(const at::Tensor& x_in, const at::Tensor& buffer,
     const int grid = grid_for(rows * n_out);
     if (x.scalar_type() == at::kHalf) {
       small_m_finish_kernel<__half><<<grid, 256, 0, stream>>>(
-          partials.data_ptr<float>(), splits, rows, g.n_padded, g.n, gated, alpha,
-          reinterpret_cast<__half*>(out.data_ptr<at::Half>()) + r0 * n_out, n_out);
+          partials.data_ptr<float>(), splits, static_cast<int>(rows),
+          static_cast<int>(g.n_padded), static_cast<int>(g.n), gated, alpha,
+          reinterpret_cast<__half*>(out.data_ptr<at::Half>()) + r0 * n_out,
+          static_cast<int>(n_out));
     } else {
       small_m_finish_kernel<float><<<grid, 256, 0, stream>>>(
-          partials.data_ptr<float>(), splits, rows, g.n_padded, g.n, gated, alpha,
-          out.data_ptr<float>() + r0 * n_out, n_out);
+          partials.data_ptr<float>(), splits, static_cast<int>(rows),
+          static_cast<int>(g.n_padded), static_cast<int>(g.n), gated, alpha,
+          out.data_ptr<float>() + r0 * n_out, static_cast<int>(n_out));
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
