@@ -56,8 +56,20 @@ def kernel_us(fn: Callable[[], object], calls: int = 10) -> dict[str, float]:
     per_kernel: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if event.device_type.name == "CUDA":
-            per_kernel[event.name[:60]] += event.device_time_total / calls
+            per_kernel[kernel_name(event.name)] += event.device_time_total / calls
     return dict(per_kernel)
+
+
+def kernel_name(name: str) -> str:
+    """A kernel's name without return type, namespaces and arguments, at most 60 characters,
+    so that its template arguments (which body, how deep a load batch) stay readable:
+    ``void dflash_qpn::(anonymous namespace)::qpn2_row_kernel<true, 8>(...)`` reads
+    ``qpn2_row_kernel<true, 8>``; names that are not signatures (``Memset (Device)``) stay."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    head, paren, _ = name.partition("(")
+    if paren and not head.endswith(" "):
+        name = head
+    return name.removeprefix("dflash_qpn::")[:60]
 
 
 def plain_read(w: NVFP4Weight) -> tuple[float, int]:
