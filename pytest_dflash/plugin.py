@@ -135,5 +135,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Also on an aborted session: no server outlives it."""
+    """Also on an aborted session: no server or timing worker outlives it."""
     engine_setup.close(config)
+    session.stop(config)

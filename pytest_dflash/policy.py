@@ -33,6 +33,16 @@ class Policy:
     # bar at 2 of 8 verify widths. Never on CUDA (one cold-L2 call per sample) and never with a
     # before_each reset (each call must see its reset).
     cpu_sample_min_s: float = 0.002
+    # timing protocol (docs/gates.md): worker processes are the unit of repetition; the first
+    # look takes timing_processes of them (the run's pool), each later look as many fresh ones,
+    # up to timing_max_processes; each times timing_rounds_per_process interleaved rounds (later
+    # looks: Kalibera & Jones' optimum from the measured variances, up to the max)
+    timing_processes: int = 6
+    timing_max_processes: int = 18
+    timing_rounds_per_process: int = 24
+    timing_max_rounds_per_process: int = 192
+    # a worker that sends nothing (no answer, no progress line) this long is killed as hung
+    timing_worker_timeout_s: float = 300.0
     bootstrap_resamples: int = 2000
     seed: int = 20261129
     # validation_cost: every M's CI upper bound <= 1 + noise floor
@@ -70,6 +80,19 @@ class Policy:
             raise PolicyError(f"cpu_sample_min_s must be >= 0 seconds (0: one call per sample), "
                               f"got {self.cpu_sample_min_s}; fix [tool.pytest-dflash] "
                               f"cpu_sample_min_s")
+        if not 2 <= self.timing_processes <= self.timing_max_processes:
+            raise PolicyError(f"timing_processes must be >= 2 (an interval across processes "
+                              f"needs two) and <= timing_max_processes, got "
+                              f"{self.timing_processes} and {self.timing_max_processes}; fix "
+                              f"[tool.pytest-dflash]")
+        if not 2 <= self.timing_rounds_per_process <= self.timing_max_rounds_per_process:
+            raise PolicyError(f"timing_rounds_per_process must be >= 2 and <= "
+                              f"timing_max_rounds_per_process, got "
+                              f"{self.timing_rounds_per_process} and "
+                              f"{self.timing_max_rounds_per_process}; fix [tool.pytest-dflash]")
+        if not self.timing_worker_timeout_s > 0:
+            raise PolicyError(f"timing_worker_timeout_s must be > 0 seconds, got "
+                              f"{self.timing_worker_timeout_s}; fix [tool.pytest-dflash]")
         if self.quality_batch < 1:
             raise PolicyError(f"quality_batch must be >= 1 (completions decoded together), got "
                               f"{self.quality_batch}; set [tool.pytest-dflash] quality_batch = 1 "

@@ -23,7 +23,7 @@ from pytest_dflash import fingerprint as fp
 from pytest_dflash.policy import Policy, PolicyError, policy_from_overrides
 from pytest_dflash.verdict import disagreements, recompute
 
-SCHEMA = "pytest-dflash/report/1"
+SCHEMA = "pytest-dflash/report/2"
 SCHEMA_FILE = "report.schema.json"
 
 

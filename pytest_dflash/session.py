@@ -23,15 +23,17 @@ from pytest_dflash.environment import (
     option,
     profile_of,
     resolved_profile,
+    torch_device,
 )
 from pytest_dflash.loader import SIDECAR_ENV
+from pytest_dflash.measure import workers
 from pytest_dflash.policy import Policy, PolicyError, load_policy
 from pytest_dflash.registry import RegistryError, Route, RouteRegistry
 from pytest_dflash.sandbox import ALLOW_UNJAILED_ENV
 from pytest_dflash.selftest import summary as selftest_summary
 from pytest_dflash.selftest.catalogue import original_of, verdict_routes
 from pytest_dflash.table import render
-from pytest_dflash.verdict import INTERRUPTED, INTERRUPTED_MESSAGE, PASSED
+from pytest_dflash.verdict import INCONCLUSIVE, INTERRUPTED, INTERRUPTED_MESSAGE, PASSED
 from pytest_dflash.vocabulary import EXCLUSIVE_KINDS, UnknownNameError, check_kind
 
 STATE = pytest.StashKey["DflashState"]()
@@ -48,6 +50,7 @@ class DflashState:
         self.policy = Policy()
         self.selected_routes: set[str] = set()
         self.selected_gates: set[tuple[str, str]] = set()
+        self.timing_pool: workers.TimingPool | None = None
 
     def candidates(self) -> list[Route]:
         """The candidates this run gates: all registered, narrowed by the selection options."""
@@ -77,8 +80,10 @@ def start(config: pytest.Config) -> DflashState:
     try:
         state.policy = load_policy(config.rootpath)
         config.hook.pytest_dflash_routes(registry=state.registry)
+        route_plugins = list(config.hook.pytest_dflash_routes.get_hookimpls())
         state.registry.validate()
         _select(state, config)
+        selftest_originals = [r.name for r in state.candidates()]
         if option(config, "selftest"):
             from pytest_dflash.selftest.session import start as start_selftest
 
@@ -97,7 +102,34 @@ def start(config: pytest.Config) -> DflashState:
         device_info(config)  # an explicit device is checked now, as a usage error
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(EvidenceCollector(config), "dflash-evidence")
+    state.timing_pool = workers.TimingPool(
+        lambda: _worker_spec(config, state, route_plugins,
+                             selftest_originals if option(config, "selftest") else None),
+        size=state.policy.timing_processes, timeout_s=state.policy.timing_worker_timeout_s)
+    workers.install(state.timing_pool)
     return state
+
+
+def _worker_spec(config: pytest.Config, state: DflashState, route_plugins: list[Any],
+                 selftest: list[str] | None) -> workers.WorkerSpec:
+    """The gate's environment as the timing workers rebuild it: its device, thread count,
+    profile and policy, the plugins that registered routes, the self-test's originals."""
+    import torch
+
+    return workers.WorkerSpec(
+        device=str(torch_device(config)), threads=torch.get_num_threads(),
+        profile=profile_of(config), policy=state.policy.as_dict(),
+        plugins=workers.plugin_references(route_plugins), selftest_candidates=selftest)
+
+
+def stop(config: pytest.Config) -> None:
+    """Stop the run's timing workers (also on an aborted run)."""
+    state = config.stash.get(STATE, None)
+    pool = getattr(state, "timing_pool", None)
+    if pool is not None:
+        pool.close()
+        if workers.active() is pool:
+            workers.install(None)
 
 
 def _select(state: DflashState, config: pytest.Config) -> None:
@@ -172,7 +204,9 @@ class EvidenceCollector:
             test["outcome"] = "failed" if report.when == "call" else "error"
             test["message"] = _first_line(report)
         elif report.skipped and test["outcome"] in (INTERRUPTED, PASSED):
-            test["outcome"], test["message"] = "skipped", ""
+            # a timing gate that recorded an inconclusive decision skipped for that reason
+            undecided = test["measurements"].get("decision") == INCONCLUSIVE
+            test["outcome"], test["message"] = (INCONCLUSIVE if undecided else "skipped"), ""
             if isinstance(report.longrepr, tuple):
                 test["message"] = str(report.longrepr[2]).removeprefix("Skipped: ")
         elif report.failed:

@@ -120,6 +120,11 @@ class PairedResult:
     confidence: float
     looks: list[int] = field(default_factory=list)  # rounds at each interim decision
 
+    @property
+    def decision(self) -> str:
+        """pass / fail / inconclusive (an interval that still straddles the margin)."""
+        return decide(self.rule, self.threshold, self.ci_low, self.ci_high)
+
     def figure(self) -> str:
         """e.g. ``ratio 0.932 [0.901, 0.960] over 24 rounds`` (3 decimals: thresholds are 1%)."""
         return (
@@ -141,6 +146,8 @@ class PairedResult:
             "ci_high": self.ci_high,
             "rounds": self.rounds,
             "outcome": self.outcome,
+            "decision": self.decision,
+            "unit": "round (one process)",
             "passed": self.passed,
             "rule": self.rule,
             "threshold": self.threshold,
@@ -381,3 +388,301 @@ def _check_resamples(resamples: int) -> None:
             f"resamples must be an integer >= 100, got {resamples!r}: fewer makes the CI's own "
             "Monte Carlo error comparable to the thresholds"
         )
+
+
+# --- Cross-process statistics (docs/gates.md, "Timing protocol") -------------------------------
+#
+# Why: a process carries a bias of its own (memory placement, the host path's dispatch cost, the
+# thread pool's state) that hits every round it times, so rounds of one process are not
+# independent draws of the ratio, and an interval over them covers only within-process noise:
+# more rounds make one process's bias look more certain. Following Kalibera & Jones (ISMM 2013),
+# the unit of repetition is the level that varies most, the process: each worker process yields
+# one statistic, and the interval is computed across processes.
+
+DECISIONS: tuple[str, ...] = ("pass", "fail", "inconclusive")
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (numpy only).
+
+    Bisection on the CDF, which is the regularized incomplete beta function evaluated by its
+    continued fraction: accurate to ~1e-10, enough for an interval whose other parts are
+    measurements.
+    """
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"quantile level must be in (0, 1), got {p!r}")
+    if not isinstance(df, int) or df < 1:
+        raise ValueError(f"degrees of freedom must be an integer >= 1, got {df!r}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    lo, hi = 0.0, 1.0
+    while _t_cdf(hi, df) < p:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if _t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return 0.5 * (lo + hi)
+
+
+def _t_cdf(t: float, df: int) -> float:
+    x = df / (df + t * t)
+    tail = 0.5 * _betainc(0.5 * df, 0.5, x)
+    return 1.0 - tail if t >= 0 else tail
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b) (Lentz's continued fraction)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                 + a * math.log(x) + b * math.log1p(-x))
+    if x > (a + 1.0) / (a + b + 2.0):
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    frac = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            frac *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return math.exp(log_front) * frac / a
+
+
+def process_statistic(ratios: Sequence[float] | np.ndarray) -> float:
+    """One process's statistic: the mean of its per-round log ratios (candidate / baseline).
+
+    The mean of logs, not the median: the across-process t interval assumes a roughly normal
+    statistic, which a mean of a few dozen rounds is, and logs make a 2% slowdown and a 2%
+    speed-up symmetric.
+    """
+    data = _finite_1d(ratios, "ratios")
+    if data.size < 1 or (data <= 0).any():
+        raise ValueError("a process statistic needs at least one positive ratio")
+    return float(np.mean(np.log(data)))
+
+
+def across_processes(statistics: Sequence[float], confidence: float) -> tuple[float, float, float]:
+    """(ratio, low, high): the geometric-mean ratio over processes and its t interval.
+
+    ``statistics`` holds one mean log ratio per process; the interval is
+    ``exp(mean +- t_{n-1} * sd / sqrt(n))``, two-sided at ``confidence``.
+    """
+    data = _finite_1d(statistics, "statistics")
+    if data.size < 2:
+        raise ValueError(f"an interval across processes needs at least 2 processes, got "
+                         f"{data.size}: one process has no between-process spread")
+    _check_confidence(confidence)
+    mean = float(np.mean(data))
+    half = t_quantile(0.5 + confidence / 2, data.size - 1) * float(np.std(data, ddof=1)) \
+        / math.sqrt(data.size)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def decide(rule: str, threshold: float, lo: float, hi: float) -> str:
+    """pass / fail / inconclusive: where the interval lies relative to the policy's margin.
+
+    gain (threshold ``1 - speed_min_gain``): pass when the upper bound is below it, fail when
+    the lower bound is at or above it (not the required gain). no_regression (threshold
+    ``1 + validation_noise_floor``): pass when the upper bound is at or below it, fail when the
+    lower bound is above it (a proven regression). An interval that straddles the margin is
+    inconclusive: it claims neither.
+    """
+    passed, decided = _decide(rule, threshold, lo, hi)
+    return "pass" if passed else "fail" if decided else "inconclusive"
+
+
+def finding(rule: str, threshold: float, lo: float, hi: float) -> str:
+    """What the interval says in words: faster / neutral / slower / inconclusive."""
+    decision = decide(rule, threshold, lo, hi)
+    if decision == "inconclusive":
+        return "inconclusive"
+    if decision == "pass":
+        return "faster" if rule == "gain" or hi < 1.0 else "neutral"
+    if rule == "gain":
+        return "slower" if lo > 1.0 else "neutral"
+    return "slower"
+
+
+@dataclass
+class ProcessSample:
+    """What one worker process timed for one gate: its rounds and its one statistic."""
+
+    worker: int
+    pid: int
+    candidate_s: list[float]
+    baseline_s: list[float]
+    orders: list[str]
+    setup_s: float = 0.0  # building the pair and warming it up in that process
+    info: dict[str, Any] = field(default_factory=dict)  # how it timed (e.g. graph or eager)
+
+    @property
+    def ratios(self) -> list[float]:
+        return [c / b for c, b in zip(self.candidate_s, self.baseline_s, strict=True)]
+
+    @property
+    def statistic(self) -> float:
+        return process_statistic(self.ratios)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"worker": self.worker, "pid": self.pid, "statistic": self.statistic,
+                "ratio": math.exp(self.statistic), "rounds": len(self.candidate_s),
+                "setup_s": self.setup_s, "info": dict(self.info), "orders": list(self.orders),
+                "samples": {"candidate": list(self.candidate_s),
+                            "baseline": list(self.baseline_s)}}
+
+
+@dataclass
+class ProcessResult:
+    """A timing comparison decided across processes (one statistic per process)."""
+
+    processes: list[ProcessSample]
+    ratio: float  # geometric mean of the per-process ratios
+    ci_low: float
+    ci_high: float
+    decision: str  # one of DECISIONS
+    outcome: str  # finding in words, one of OUTCOMES
+    rule: str
+    threshold: float
+    confidence: float
+    looks: list[int]  # processes at each look
+    rounds_per_process: list[int]  # rounds each look's processes timed
+    variance: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.decision == "pass"
+
+    @property
+    def median(self) -> float:  # the name the per-round protocol's readers use
+        return self.ratio
+
+    @property
+    def rounds(self) -> int:
+        return sum(len(p.candidate_s) for p in self.processes)
+
+    def figure(self) -> str:
+        """e.g. ``ratio 1.002 [0.996, 1.008] over 6 processes x 24 rounds``."""
+        per = sorted(set(self.rounds_per_process))
+        rounds = "/".join(str(r) for r in per)
+        return (f"ratio {self.ratio:.3f} [{self.ci_low:.3f}, {self.ci_high:.3f}] over "
+                f"{len(self.processes)} processes x {rounds} rounds")
+
+    def requirement(self) -> str:
+        op = "<" if self.rule == "gain" else "<="
+        return f"needs CI upper {op} {self.threshold:.3f}"
+
+    def measurements(self) -> dict[str, Any]:
+        return {
+            "figure": self.figure(), "ratio_median": self.ratio, "ci_low": self.ci_low,
+            "ci_high": self.ci_high, "confidence": self.confidence, "decision": self.decision,
+            "outcome": self.outcome, "passed": self.passed, "rule": self.rule,
+            "threshold": self.threshold, "unit": "process", "looks": list(self.looks),
+            "rounds": self.rounds, "rounds_per_process": list(self.rounds_per_process),
+            "variance": dict(self.variance),
+            "processes": [p.as_json() for p in self.processes],
+        }
+
+
+def variance_components(processes: Sequence[ProcessSample]) -> dict[str, float]:
+    """Within- and between-process variance of the log ratio, and Kalibera & Jones' rounds.
+
+    within: pooled variance of per-round log ratios inside a process; between: variance of the
+    process statistics less what the within-process noise alone explains (clamped at 0).
+    ``optimal_rounds`` = sqrt(c_process / c_round * within / between): the rounds per process
+    that minimise the interval's width for a given time, where c_process is what starting a
+    process's measurement costs (its setup) and c_round what one round costs.
+    """
+    logs = [np.log(np.asarray(p.ratios)) for p in processes]
+    sizes = np.asarray([x.size for x in logs])
+    within = float(sum(((x - x.mean()) ** 2).sum() for x in logs) / max(1, (sizes - 1).sum()))
+    stats = np.asarray([x.mean() for x in logs])
+    raw_between = float(np.var(stats, ddof=1)) if stats.size > 1 else 0.0
+    between = max(0.0, raw_between - within / float(np.mean(sizes)))
+    round_cost = float(np.mean([np.mean(p.candidate_s) + np.mean(p.baseline_s)
+                                for p in processes]))
+    setup = float(np.mean([p.setup_s for p in processes]))
+    if between > 0 and round_cost > 0:
+        optimal = math.sqrt(max(setup, round_cost) / round_cost * within / between)
+    else:
+        optimal = float("inf")  # no measurable process bias: rounds are as good as processes
+    return {"within": within, "between": between, "setup_s": setup, "round_s": round_cost,
+            "optimal_rounds": optimal}
+
+
+def process_compare(
+    sample: Callable[[int, int], Sequence[ProcessSample]],
+    *,
+    processes: int,
+    max_processes: int,
+    rounds: int,
+    confidence: float,
+    rule: str,
+    threshold: float,
+    max_rounds: int | None = None,
+) -> ProcessResult:
+    """Decide ``rule`` on an interval across processes, adding processes at each look.
+
+    ``sample(n, rounds)`` returns ``n`` new ProcessSamples, each from a process that timed
+    ``rounds`` interleaved rounds. The first look uses ``processes`` processes; while the
+    interval straddles ``threshold``, another ``processes`` are added, up to ``max_processes``.
+    The error rate is spent across the looks as in :func:`paired_compare`. Later looks time the
+    rounds per process that Kalibera & Jones' rule gives from the variances measured so far
+    (within [rounds, max_rounds]). At the cap a straddling interval is "inconclusive".
+    """
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(RULES)}")
+    if not isinstance(processes, int) or processes < 2:
+        raise ValueError(f"processes must be an integer >= 2 (got {processes!r}): an interval "
+                         "across processes needs at least two")
+    if not isinstance(max_processes, int) or max_processes < processes:
+        raise ValueError(f"max_processes ({max_processes!r}) must be an integer >= processes "
+                         f"({processes})")
+    if not isinstance(rounds, int) or rounds < 2:
+        raise ValueError(f"rounds must be an integer >= 2, got {rounds!r}")
+    if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold > 0):
+        raise ValueError(f"threshold must be a positive ratio, got {threshold!r}")
+    _check_confidence(confidence)
+    cap = max_rounds if max_rounds is not None else 4 * rounds
+    plan = list(range(processes, max_processes + 1, processes))
+    if plan[-1] != max_processes:
+        plan.append(max_processes)
+    taken: list[ProcessSample] = []
+    looks: list[int] = []
+    per_look: list[int] = []
+    per = rounds
+    while True:
+        new = list(sample(plan[len(looks)] - len(taken), per))
+        if len(new) != plan[len(looks)] - len(taken):
+            raise RuntimeError(f"asked for {plan[len(looks)] - len(taken)} processes, got "
+                               f"{len(new)}")
+        taken.extend(new)
+        per_look.extend([per] * len(new))
+        looks.append(len(taken))
+        final = len(looks) == len(plan)
+        look_conf = _look_confidence(confidence, len(plan), final)
+        ratio, lo, hi = across_processes([p.statistic for p in taken], look_conf)
+        decision = decide(rule, threshold, lo, hi)
+        if decision != "inconclusive" or final:
+            break
+        optimal = variance_components(taken)["optimal_rounds"]
+        per = int(min(cap, max(rounds, math.ceil(optimal)))) if math.isfinite(optimal) else rounds
+    return ProcessResult(
+        processes=taken, ratio=ratio, ci_low=lo, ci_high=hi, decision=decision,
+        outcome=finding(rule, threshold, lo, hi), rule=rule, threshold=float(threshold),
+        confidence=look_conf, looks=looks, rounds_per_process=per_look,
+        variance=variance_components(taken),
+    )

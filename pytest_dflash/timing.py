@@ -1,8 +1,13 @@
-"""Timers and the speed gate (docs/gates.md, "speed" and "validation_cost").
+"""Timers and the speed gate (docs/gates.md, "speed", "validation_cost", "Timing protocol").
 
-Why this module exists: a speed claim is only evidence if both routes were timed the same way, in
-the same process, interleaved, with the cache state each run would see in production. So every
-speed and validation-cost gate goes through :func:`speed_gate`, which
+Why this module exists: a speed claim is only evidence if both routes were timed the same way,
+interleaved, with the cache state each run would see in production, and if the interval covers
+the variation that a rerun would see. So every speed and validation-cost gate goes through
+:func:`speed_gate`. Given a :class:`~pytest_dflash.measure.workers.TimingJob`, it times the pair
+in the run's timing worker processes and decides on an interval across processes
+(``statistics.process_compare``): pass, fail, or inconclusive (the route stays pending). Without a
+job (a gate that can only build its calls in this process) it times rounds here
+(``statistics.paired_compare``) and decides the same three ways. Either way it
 
 * times ONE call per sample on CUDA: events around the call with the L2 cache flushed first (a
   cold L2, as a prefill that streams its weights sees) and a single synchronize after, so no
@@ -26,11 +31,29 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from pytest_dflash import progress
+from pytest_dflash.measure import workers
 from pytest_dflash.policy import Policy
-from pytest_dflash.statistics import PairedResult, max_rounds_for, paired_compare, threshold_for
+from pytest_dflash.statistics import (
+    PairedResult,
+    ProcessResult,
+    max_rounds_for,
+    paired_compare,
+    process_compare,
+    threshold_for,
+)
+
+
+class TimingInconclusive(pytest.skip.Exception):  # type: ignore[name-defined,misc]
+    """A timing gate whose interval straddles the policy's margin at its cap.
+
+    It claims neither a pass nor a regression: the test is reported ``inconclusive`` (a kind
+    of skip, so it never counts as a pass), its gate and route stay pending, and
+    ``--dflash-strict`` fails the run as for any pending route.
+    """
 
 # Flush buffers are allocated once per device: allocating inside the timed loop would put
 # allocator work and its synchronisation next to every measurement.
@@ -142,8 +165,8 @@ def _repeated(fn: Callable[[], Any], calls: int) -> Callable[[], Any]:
 
 
 def speed_gate(
-    candidate: Callable[[], Any],
-    baseline: Callable[[], Any],
+    candidate: Callable[[], Any] | None,
+    baseline: Callable[[], Any] | None,
     *,
     policy: Policy,
     device: torch.device | str,
@@ -151,18 +174,72 @@ def speed_gate(
     label: str,
     before_each: Callable[[], Any] | None = None,
     rule: str = "gain",
-) -> PairedResult:
-    """Time ``candidate`` against ``baseline`` on ``device`` and fail unless ``rule`` passes.
+    job: workers.TimingJob | None = None,
+) -> PairedResult | ProcessResult:
+    """Time ``candidate`` against ``baseline`` and pass, fail or leave the gate inconclusive.
 
     ``rule="gain"``: the CI upper bound of candidate/baseline must be < 1 - policy.speed_min_gain.
-    ``rule="no_regression"``: it must be <= 1 + policy.validation_noise_floor.
-    The order of the two calls is randomized per round from ``policy.seed`` and ``label`` (so
-    different gates do not share one order sequence, yet every rerun repeats it). Measurements,
-    raw samples included, are passed to ``record`` before the verdict, so a failed gate still
-    reports what it measured.
+    ``rule="no_regression"``: it must be <= 1 + policy.validation_noise_floor. A CI wholly on the
+    other side fails (AssertionError); one that straddles the margin at the cap raises
+    :class:`TimingInconclusive`. With ``job`` and a timing pool installed, the pair is built and
+    timed in the worker processes (``candidate``/``baseline`` may then be None); otherwise in
+    this process, in a seeded random order per round. Measurements, raw samples included, are
+    passed to ``record`` before the verdict, so a failed gate still reports what it measured.
     """
-    if not callable(candidate) or not callable(baseline):
-        raise TypeError(f"{label}: candidate and baseline must be zero-argument callables")
+    pool = workers.active()
+    if job is not None and pool is not None:
+        result: PairedResult | ProcessResult = _across_processes(
+            pool, job, policy=policy, label=label, rule=rule)
+        extra: dict[str, Any] = {"pool_workers": pool.size}
+    else:
+        if not callable(candidate) or not callable(baseline):
+            raise TypeError(f"{label}: candidate and baseline must be zero-argument callables")
+        result, extra = _in_process(candidate, baseline, policy=policy, device=device,
+                                    label=label, before_each=before_each, rule=rule)
+    record(
+        **result.measurements(),
+        **extra,
+        # a busy machine stalls threads for whole scheduler quanta: keep the load as evidence
+        loadavg=list(os.getloadavg()),
+        threads=torch.get_num_threads(),
+    )
+    decision = result.decision
+    if decision == "fail":
+        raise AssertionError(
+            f"{label}: {_verdict_words(result)}: {result.figure()}; {result.requirement()}"
+        )
+    if decision == "inconclusive":
+        raise TimingInconclusive(
+            f"{label}: inconclusive, route left pending: {result.figure()} straddles the "
+            f"margin ({result.requirement()}); it shows neither a pass nor a regression")
+    return result
+
+
+def _across_processes(pool: workers.TimingPool, job: workers.TimingJob, *, policy: Policy,
+                      label: str, rule: str) -> ProcessResult:
+    """The pool's workers give the first look; each later look starts fresh processes."""
+    threshold = threshold_for(rule, policy)
+    seed = policy.seed + zlib.crc32(label.encode())
+    looks = [0]
+
+    def sample(count: int, rounds: int) -> list[Any]:
+        looks[0] += 1
+        return pool.sample(job, count, rounds=rounds, warmup=policy.speed_warmup,
+                           seed=seed + looks[0], label=label, fresh=looks[0] > 1)
+
+    with progress.gate(label, rule=rule, threshold=threshold,
+                       max_rounds=policy.timing_max_processes,
+                       confidence=policy.speed_confidence):
+        return process_compare(
+            sample, processes=policy.timing_processes,
+            max_processes=policy.timing_max_processes,
+            rounds=policy.timing_rounds_per_process, confidence=policy.speed_confidence,
+            rule=rule, threshold=threshold, max_rounds=policy.timing_max_rounds_per_process)
+
+
+def _in_process(candidate: Callable[[], Any], baseline: Callable[[], Any], *, policy: Policy,
+                device: torch.device | str, label: str, before_each: Callable[[], Any] | None,
+                rule: str) -> tuple[PairedResult, dict[str, Any]]:
     if before_each is not None and not callable(before_each):
         raise TypeError(f"{label}: before_each must be a zero-argument callable or None")
     timer = timer_for(device)
@@ -180,7 +257,6 @@ def speed_gate(
 
         return run
 
-    load_before = list(os.getloadavg())
     max_rounds = max_rounds_for(rule, policy)
     with progress.gate(label, rule=rule, threshold=threshold, max_rounds=max_rounds,
                        confidence=policy.speed_confidence) as on_round:
@@ -197,40 +273,82 @@ def speed_gate(
             warmup=policy.speed_warmup,
             on_round=on_round,
         )
-    record(
-        figure=result.figure(),
-        ratio_median=result.median,
-        ci_low=result.ci_low,
-        ci_high=result.ci_high,
-        confidence=result.confidence,
-        rounds=result.rounds,
-        outcome=result.outcome,
-        rule=rule,
-        threshold=threshold,
-        samples={"candidate": list(result.candidate_s), "baseline": list(result.baseline_s)},
-        # a busy machine stalls threads for whole scheduler quanta: keep the load as evidence
-        loadavg_before=load_before,
-        loadavg_after=list(os.getloadavg()),
-        threads=torch.get_num_threads(),
-        calls_per_sample=calls,
-    )
-    if not result.passed:
-        raise AssertionError(
-            f"{label}: {_verdict_words(result)}: {result.figure()}; {result.requirement()}"
-        )
-    return result
+    return result, {"calls_per_sample": calls}
 
 
-def _verdict_words(result: PairedResult) -> str:
+def pair_timers(pair: workers.TimedPair, device: torch.device,
+                policy: Policy) -> tuple[Callable[[], float], Callable[[], float], dict[str, Any]]:
+    """Zero-argument timers of a worker's pair, and how they time (for the report).
+
+    CUDA with ``pair.graph``: both calls are captured once in CUDA graphs and each timed
+    replay is one graph launch between events (the L2 flushed before), as a deployment runs its
+    M <= 8 verification steps; the eager time of each side is measured beside it. A call that
+    cannot be captured is timed eagerly and ``info["graph"]`` says why. CPU: calls shorter than
+    ``policy.cpu_sample_min_s`` are repeated within a sample, the same count on both sides.
+    """
+    dev = torch.device(device)
+    before = pair.before_each
+    info: dict[str, Any] = {"graph": None}
+    cand, base = pair.candidate, pair.baseline
+    if dev.type == "cuda" and pair.graph and before is None:
+        captured, why = _capture_pair(cand, base, dev)
+        if captured is not None:
+            eager = (cand, base)
+            cand, base = captured
+            timer = timer_for(dev)
+            info["graph"] = "captured"
+            info["eager_s"] = {"candidate": min(timer(eager[0]) for _ in range(5)),
+                               "baseline": min(timer(eager[1]) for _ in range(5))}
+        else:
+            info["graph"] = f"not captured, timed eagerly: {why}"
+    timer = timer_for(dev)
+    calls = 1 if before is not None else calls_per_sample(base, dev, policy.cpu_sample_min_s)
+    info["calls_per_sample"] = calls
+
+    def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+        sample = _repeated(fn, calls)
+
+        def run() -> float:
+            if before is not None:
+                before()
+            return timer(sample) / calls
+
+        return run
+
+    return timed(cand), timed(base), info
+
+
+def _capture_pair(candidate: Callable[[], Any], baseline: Callable[[], Any],
+                  device: torch.device) -> tuple[tuple[Callable[[], Any], Callable[[], Any]] | None,
+                                                 str]:
+    """Both calls captured in CUDA graphs (warmed up on a side stream first), or the reason."""
+    graphs = []
+    try:
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for fn in (candidate, baseline):
+                    for _ in range(3):
+                        fn()
+            torch.cuda.current_stream().wait_stream(side)
+            for fn in (candidate, baseline):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                graphs.append(graph)
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - any capture failure means: time it eagerly
+        torch.cuda.synchronize(device)
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return (graphs[0].replay, graphs[1].replay), ""
+
+
+def _verdict_words(result: PairedResult | ProcessResult) -> str:
     """How a pull request would phrase the failure ("neutral, not selected")."""
     if result.rule == "gain":
         return {
             "slower": "slower, rejected on speed",
             "neutral": "neutral, not selected",
-            "inconclusive": "inconclusive at the round cap, not selected",
         }[result.outcome]
-    return {
-        "slower": "slower, regression beyond the noise floor",
-        "inconclusive": "inconclusive at the round cap, a regression beyond the noise floor "
-        "is not ruled out",
-    }[result.outcome]
+    return "slower, regression beyond the noise floor"

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from pytest_dflash.policy import Policy
 
 PASSED, FAILED, PENDING = "passed", "failed", "pending"
+# a timing test whose interval straddles the policy's margin at its cap: it claims neither a
+# pass nor a regression, so its gate stays pending (docs/gates.md, "Timing protocol")
+INCONCLUSIVE = "inconclusive"
 # a test whose call phase never reported: the session stopped while it ran
 INTERRUPTED = "interrupted"
 INTERRUPTED_MESSAGE = "did not finish: the session stopped while it ran"
@@ -25,7 +28,7 @@ FAILING_OUTCOMES = frozenset({"failed", "error"})
 def gate_status(tests: Iterable[Mapping[str, Any]]) -> str:
     """failed if any test failed; passed only if tests ran and every one passed; else pending.
 
-    A skipped or interrupted test keeps its gate pending: neither counts as a pass.
+    A skipped, inconclusive or interrupted test keeps its gate pending: none counts as a pass.
     """
     outcomes = [t["outcome"] for t in tests]
     if any(o in FAILING_OUTCOMES for o in outcomes):
@@ -94,7 +97,11 @@ def route_verdict(
                 verdict = PENDING
             skipped = [t for t in gate["tests"] if t["outcome"] == "skipped"]
             stopped = [t for t in gate["tests"] if t["outcome"] == INTERRUPTED]
-            if skipped:
+            undecided = [t for t in gate["tests"] if t["outcome"] == INCONCLUSIVE]
+            if undecided:
+                reasons.append(f"{kind} pending: inconclusive timing "
+                               f"({undecided[0].get('message') or undecided[0]['nodeid']})")
+            elif skipped:
                 reasons.append(f"{kind} pending: skipped ({skipped[0].get('message', '')})")
             elif stopped:
                 reasons.append(f"{kind} pending: {stopped[0]['nodeid']} {INTERRUPTED_MESSAGE}")

@@ -29,14 +29,18 @@ SPEED_LAYERS = ("gate_up", "down")
 @pytest.mark.parametrize("layer", SPEED_LAYERS)
 def test_gemm_speed_large_m(dflash_gate, layer):
     """Paired, interleaved candidate/baseline ratio; passes only on a real gain."""
+    from pytest_dflash.measure.workers import TimingJob
     from pytest_dflash.timing import speed_gate
 
     pair = GemmPair(dflash_gate, layer)
     pair.check_output()
+    job = TimingJob("dflash_suites.support.gemm:speed_pair",
+                    {"route": dflash_gate.route.name, "layer": layer})
     with hits.counting() as delta:
         try:
             speed_gate(pair.candidate, pair.reference, policy=dflash_gate.policy,
-                       device=dflash_gate.device, record=dflash_gate.record, label=pair.label)
+                       device=dflash_gate.device, record=dflash_gate.record, label=pair.label,
+                       job=job)
         finally:
             measured = pair.workspace()
             dflash_gate.record(route_hits=delta.as_json(), shape=pair.label, **measured)

@@ -198,37 +198,83 @@ def _verify_step(impl: Any, x: torch.Tensor, gate_up: Any, down: Any) -> Callabl
     return lambda: impl.linear(impl.gate_up(x, gate_up), down)
 
 
+class VerifySteps:
+    """The weights of both routes' verify steps and the step of each width, built alike in the
+    gate's process (hit checks) and in each timing worker (timing)."""
+
+    def __init__(self, candidate_name: str, candidate: Any, disabled: Any, *, policy: Policy,
+                 profile: str, device: torch.device) -> None:
+        self.candidate = as_gemm_route(candidate, candidate_name)
+        self.disabled, self.policy, self.device = disabled, policy, device
+        self.k_gu, n_gu = layer_shape("gate_up", profile)
+        k_down, n_down = layer_shape("down", profile)
+        w_gu = make_weight(n_gu, self.k_gu, seed=case_seed(policy, "vc", "gate_up"),
+                           device=device)
+        w_down = make_weight(n_down, k_down, seed=case_seed(policy, "vc", "down"),
+                             device=device)
+        self.off = (disabled.prepare(w_gu), disabled.prepare(w_down))
+        self.shared = shares_resident_weights(self.candidate, disabled)
+        self.on = self.off if self.shared else (self.candidate.prepare(w_gu),
+                                                self.candidate.prepare(w_down))
+
+    def steps(self, m: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        """(enabled, disabled) verify steps of width ``m``, on the same seeded activations."""
+        x = make_x(m, self.k_gu, seed=case_seed(self.policy, "vc", m),
+                   dtype=gate_dtype(self.device), device=self.device)
+        return (_verify_step(self.candidate, x, *self.on),
+                _verify_step(self.disabled, x, *self.off))
+
+
+def verify_step_pair(ctx: Any, *, candidate: str, disabled: str, m: int) -> Any:
+    """Timing-worker builder of the op-level validation-cost gate: the verify step of width
+    ``m`` with ``candidate`` on and off, captured as a CUDA graph where it can be (a deployment
+    replays its M <= 8 steps as graphs)."""
+    from pytest_dflash.measure.workers import TimedPair
+
+    built = VerifySteps(candidate, ctx.implementation(candidate), ctx.implementation(disabled),
+                        policy=ctx.policy, profile=ctx.profile, device=ctx.device)
+    step_on, step_off = built.steps(m)
+    return TimedPair(step_on, step_off, graph=True)
+
+
+def speed_pair(ctx: Any, *, route: str, layer: str) -> Any:
+    """Timing-worker builder of the gemm.nvfp4 speed gate: one projection at the prefill M,
+    candidate and baseline (eager: a prefill chunk is not a graph replay)."""
+    from pytest_dflash.measure.workers import TimedPair
+
+    pair = GemmPair(ctx.gate(route, "speed"), layer)
+    return TimedPair(pair.candidate, pair.reference)
+
+
 def run_validation_cost(candidate_name: str, candidate: Any, disabled: Any, *, policy: Policy,
                         profile: str, device: torch.device,
-                        record: Callable[..., None]) -> dict[str, Any]:
+                        record: Callable[..., None],
+                        disabled_name: str | None = None) -> dict[str, Any]:
     """The op-level validation-cost gate for one candidate (docs/gates.md, "validation_cost").
 
     ``disabled`` is the family's verify route, what serves M <= 8 with the candidate off. For
     each verify width M one MLP step (gate/up, then down) runs with the candidate on and off:
     the kernels that served it must be identical apart from the candidate's own dispatch
     records, then paired timing must show no regression beyond the noise floor, and the shared
-    prefill workspace must not grow. Raises AssertionError naming every failing M.
-    """
-    from pytest_dflash.timing import speed_gate
+    prefill workspace must not grow. Raises AssertionError naming every failing M, and
+    ``TimingInconclusive`` when none fails but some M's interval straddles the noise floor.
 
-    candidate = as_gemm_route(candidate, candidate_name)
-    k_gu, n_gu = layer_shape("gate_up", profile)
-    k_down, n_down = layer_shape("down", profile)
-    w_gu = make_weight(n_gu, k_gu, seed=case_seed(policy, "vc", "gate_up"), device=device)
-    w_down = make_weight(n_down, k_down, seed=case_seed(policy, "vc", "down"), device=device)
-    off = (disabled.prepare(w_gu), disabled.prepare(w_down))
-    shared = shares_resident_weights(candidate, disabled)
-    on = off if shared else (candidate.prepare(w_gu), candidate.prepare(w_down))
-    dtype = gate_dtype(device)
+    With ``disabled_name`` (the verify route's registry name) each M is timed in the run's
+    timing worker processes (``verify_step_pair``); without it, in this process.
+    """
+    from pytest_dflash.measure.workers import TimingJob
+    from pytest_dflash.timing import TimingInconclusive, speed_gate
+
+    built = VerifySteps(candidate_name, candidate, disabled, policy=policy, profile=profile,
+                        device=device)
+    candidate, shared = built.candidate, built.shared
     peak_fn = getattr(candidate, "workspace_peak_bytes", None)
     peak_before = peak_fn(device) if peak_fn else None
 
     steps = {}
     route_hits = {}
     for m in range(1, policy.validation_max_m + 1):
-        x = make_x(m, k_gu, seed=case_seed(policy, "vc", m), dtype=dtype, device=device)
-        step_on = _verify_step(candidate, x, *on)
-        step_off = _verify_step(disabled, x, *off)
+        step_on, step_off = built.steps(m)
         with hits.counting() as enabled:
             step_on()
         with hits.counting() as without:
@@ -236,17 +282,22 @@ def run_validation_cost(candidate_name: str, candidate: Any, disabled: Any, *, p
         route_hits[m] = check_same_kernels(candidate_name, enabled, without, f"verify M={m}")
         steps[m] = (step_on, step_off)
 
-    figures, failures, worst = {}, [], None
+    figures, failures, pending, worst = {}, [], [], None
     for m, (step_on, step_off) in steps.items():
         per_m: dict[str, Any] = {}
+        job = None if disabled_name is None else TimingJob(
+            "dflash_suites.support.gemm:verify_step_pair",
+            {"candidate": candidate_name, "disabled": disabled_name, "m": m})
         try:
             result = speed_gate(step_on, step_off, policy=policy, device=device,
                                 record=per_m.update, label=f"verify M={m}",
-                                rule="no_regression")
+                                rule="no_regression", job=job)
             if worst is None or result.ci_high > worst[1].ci_high:
                 worst = (m, result)
         except AssertionError as exc:
             failures.append(str(exc))
+        except TimingInconclusive as exc:
+            pending.append(str(exc))
         figures[f"m{m}"] = per_m
     peak_after = peak_fn(device) if peak_fn else None
     measurements: dict[str, Any] = {
@@ -258,13 +309,22 @@ def run_validation_cost(candidate_name: str, candidate: Any, disabled: Any, *, p
     }
     if failures:
         measurements["figure"] = f"{len(failures)}/{len(steps)} verify widths regressed"
+        measurements["decision"] = "fail"
+    elif pending:
+        measurements["figure"] = (f"{len(pending)}/{len(steps)} verify widths inconclusive, "
+                                  "none regressed")
+        measurements["decision"] = "inconclusive"
     else:
         m, result = worst
         measurements["figure"] = f"worst M={m}: {result.figure()} (hits identical, M=1..8)"
+        measurements["decision"] = "pass"
     record(**measurements)
     if failures:
-        raise AssertionError("validation cost exceeded:\n" + "\n".join(failures))
+        raise AssertionError("validation cost exceeded:\n" + "\n".join(failures + pending))
     if peak_before != peak_after:
         raise AssertionError(f"verify steps grew the prefill workspace from {peak_before} to "
                              f"{peak_after} bytes: M <= 8 touched the large-M path")
+    if pending:
+        raise TimingInconclusive("validation cost inconclusive, route left pending:\n"
+                                 + "\n".join(pending))
     return measurements

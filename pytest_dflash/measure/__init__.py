@@ -1,0 +1,1 @@
+"""Measuring: timers, paired statistics, timing worker processes, numerics, progress."""

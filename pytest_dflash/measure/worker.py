@@ -1,0 +1,196 @@
+"""The timing worker process (``python -m pytest_dflash.measure.worker``), see ``workers.py``.
+
+It rebuilds the gate's environment from the parent's :class:`~workers.WorkerSpec` (device,
+threads, policy, profile, the routes of the same plugins, the self-test's planted routes), then
+answers jobs: build the pair with the suite's builder, warm it up, time interleaved rounds in a
+balanced order (as many candidate-first as baseline-first rounds, shuffled by the seed), and
+send back the raw durations and the route hits of the timed calls.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from pytest_dflash.measure.workers import PROTOCOL_FD_ENV, TimedPair
+
+
+class WorkerContext:
+    """What a job's builder gets: the device, the policy, the profile and the route registry."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import torch
+
+        from pytest_dflash.policy import Policy
+
+        self.device = torch.device(spec["device"])
+        self.profile: str = spec["profile"]
+        self.policy = Policy(**spec["policy"])
+        self.threads = int(spec["threads"])
+        self.registry = _rebuild_registry(spec["plugins"], spec.get("selftest_candidates"),
+                                          self.policy)
+
+    def implementation(self, route: str) -> Any:
+        """The implementation object of ``route``, as the gate's process resolves it."""
+        return self.registry.get(route).implementation()
+
+    def gate(self, route: str, kind: str) -> Any:
+        """A ``GateContext`` of ``route`` and ``kind`` as the gate's test sees it (no engines:
+        a job that needs one builds it itself; records are the parent's business)."""
+        from pytest_dflash.gate import GateContext
+
+        def no_engine(selection: dict[str, str]) -> Any:
+            raise RuntimeError("timing workers build no engines through the gate context")
+
+        return GateContext(route=self.registry.get(route), kind=kind, registry=self.registry,
+                           policy=self.policy, profile=self.profile, device=self.device,
+                           record=lambda **_: None, engine=no_engine)
+
+
+def _rebuild_registry(plugins: list[str], selftest: list[str] | None, policy: Any) -> Any:
+    """The run's route registry, through the same hook and plugins as the pytest run."""
+    import pluggy
+
+    from pytest_dflash import hookspec
+    from pytest_dflash.registry import RouteRegistry
+
+    class Manager(pluggy.PluginManager):
+        # hookspec.py's functions are specs by their name, as pytest's manager reads them
+        def parse_hookspec_opts(self, module_or_class: Any, name: str) -> Any:
+            opts = super().parse_hookspec_opts(module_or_class, name)
+            return opts if opts is not None or not name.startswith("pytest_dflash_") else {}
+
+        # and plain functions named after a hook implement it, as in a conftest
+        def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
+            opts = super().parse_hookimpl_opts(plugin, name)
+            if opts is None and name.startswith("pytest_dflash_"):
+                return {} if callable(getattr(plugin, name, None)) else None
+            return opts
+
+    manager = Manager("pytest")
+    manager.add_hookspecs(hookspec)
+    for i, ref in enumerate(plugins):
+        if ref.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(f"_dflash_worker_plugin_{i}", ref)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load plugin file {ref}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(ref)
+        manager.register(module, f"plugin-{i}")
+    registry = RouteRegistry()
+    manager.hook.pytest_dflash_routes(registry=registry)
+    registry.validate()
+    if selftest:
+        from pytest_dflash.selftest import catalogue
+
+        originals = [registry.get(name) for name in selftest]
+        for planted in catalogue.plan(originals, registry, policy):
+            registry.register(catalogue.as_route(planted, registry, policy))
+    return registry
+
+
+def _balanced_orders(rounds: int, seed: list[int]) -> list[str]:
+    """Half the rounds candidate-first, half baseline-first, in a seeded shuffled order, so the
+    order's own effect (a warm cache for the second call) cancels within every process."""
+    import numpy as np
+
+    orders = ["cb", "bc"] * (rounds // 2) + (["cb"] if rounds % 2 else [])
+    np.random.default_rng(seed).shuffle(orders)
+    return orders
+
+
+def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str, Any]:
+    """Build, warm up and time one job; the answer carries raw seconds and the timed hits."""
+    from pytest_dflash import hits
+    from pytest_dflash.registry import resolve
+    from pytest_dflash.timing import pair_timers
+
+    start = time.perf_counter()
+    builder = resolve(message["builder"])
+    pair = builder(ctx, **message["kwargs"])
+    if not isinstance(pair, TimedPair):
+        raise TypeError(f"builder {message['builder']} returned {type(pair).__name__}, "
+                        "expected a TimedPair")
+    run_cand, run_base, info = pair_timers(pair, ctx.device, ctx.policy)
+    for _ in range(int(message["warmup"])):
+        run_cand()
+        run_base()
+    setup_s = time.perf_counter() - start
+    orders = _balanced_orders(int(message["rounds"]), message["seed"])
+    cand: list[float] = []
+    base: list[float] = []
+    last = time.monotonic()
+    with hits.counting() as delta:
+        for order in orders:
+            if order == "cb":
+                cand.append(run_cand())
+                base.append(run_base())
+            else:
+                base.append(run_base())
+                cand.append(run_cand())
+            if time.monotonic() - last > 2.0:
+                beat({"progress": len(cand)})
+                last = time.monotonic()
+    return {"candidate_s": cand, "baseline_s": base, "orders": orders, "setup_s": setup_s,
+            "info": info, "hits": [[r, op, n] for (r, op), n in delta.counts.items()]}
+
+
+def main() -> int:
+    """Serve requests on stdin until told to exit; answers go to the protocol pipe."""
+    out = os.fdopen(int(os.environ[PROTOCOL_FD_ENV]), "w", buffering=1)
+
+    def send(message: dict[str, Any]) -> None:
+        out.write(json.dumps(message) + "\n")
+        out.flush()
+
+    ctx: WorkerContext | None = None
+    for raw in sys.stdin:
+        message = json.loads(raw)
+        op = message.get("op")
+        if op == "exit":
+            break
+        try:
+            if op == "init":
+                spec = message["spec"]
+                sys.path[:] = [p for p in spec["sys_path"] if p] + [
+                    p for p in sys.path if p not in spec["sys_path"]]
+                import torch
+
+                torch.set_num_threads(int(spec["threads"]))
+                ctx = WorkerContext(spec)
+                continue  # answered by the ping that follows
+            if ctx is None:
+                raise RuntimeError("the worker got a request before its init")
+            if op == "ping":
+                import torch
+
+                send({"pid": os.getpid(), "cwd": str(Path.cwd()),
+                      "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                      "threads": torch.get_num_threads(), "device": str(ctx.device),
+                      "routes": sorted(r.name for r in ctx.registry)})
+            elif op == "time":
+                send(time_job(ctx, message, send))
+            elif op == "crash":  # for the protocol's tests: an abrupt exit mid-request
+                os._exit(int(message.get("code", 3)))
+            elif op == "hang":  # for the protocol's tests: a worker that stops answering
+                time.sleep(float(message.get("seconds", 3600)))
+            else:
+                raise ValueError(f"unknown request {op!r}")
+        except Exception:  # noqa: BLE001 - every failure goes back to the gate, named
+            traceback.print_exc()
+            send({"error": traceback.format_exc(limit=8).strip().splitlines()[-1],
+                  "traceback": traceback.format_exc()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Timing worker processes: the unit of repetition of every timing gate (docs/gates.md).
+
+Why processes: a process carries a bias of its own (memory placement, the host path's dispatch
+cost), so an interval over the rounds of one process covers only that process's noise and can
+reject identical code. Each timing gate therefore collects one statistic from each of several
+worker processes and decides on the interval across them (``statistics.process_compare``).
+
+Cost: starting a worker imports torch, loads the kernels and rebuilds the route registry, which
+takes seconds, so a :class:`TimingPool` of ``policy.timing_processes`` workers is started once
+per pytest run (lazily, at the first timing gate) and shared by every timing gate; a look that
+needs more processes than the pool holds starts fresh ones for that look and stops them after.
+Only one worker times at a time (the parent hands a job to one worker and waits for its
+answer), so two timing workers never share a device while timing.
+
+What a worker times is a *job*: a builder named ``"module:function"`` (defined by the suite
+module, e.g. ``dflash_suites.support.gemm:verify_step_pair``) and JSON keyword arguments. The
+worker calls ``builder(ctx, **kwargs)`` with a :class:`WorkerContext` that holds the device, the
+policy, the profile and the route registry, rebuilt in the worker through the same
+``pytest_dflash_routes`` hook and the same plugins as the pytest run (and the self-test's
+planted routes when it is on); the builder returns a :class:`TimedPair`.
+
+Protocol: JSON lines. The parent writes a job to the worker's stdin; the worker answers on a
+private pipe (its own stdout and stderr go to its log file, so prints of native code cannot
+corrupt the protocol), with progress lines while it times. A worker that exits is an error
+naming the gate, the worker and its log; one silent for ``policy.timing_worker_timeout_s`` is
+killed and reported the same way, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from pytest_dflash.statistics import ProcessSample
+
+PROTOCOL_FD_ENV = "DFLASH_TIMING_PROTOCOL_FD"
+START_TIMEOUT_S = 300.0
+
+
+class TimingWorkerError(RuntimeError):
+    """A timing worker crashed, hung, or could not build or time what it was asked to."""
+
+
+@dataclass(frozen=True)
+class TimingJob:
+    """What a worker builds and times: ``builder(ctx, **kwargs)`` returns a TimedPair."""
+
+    builder: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        module, sep, attr = self.builder.partition(":")
+        if not sep or not module or not attr:
+            raise ValueError(f"timing job builder {self.builder!r} must look like "
+                             "'package.module:function'")
+        try:
+            json.dumps(self.kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"timing job {self.builder}: kwargs must be JSON values (they "
+                             f"travel to worker processes): {exc}") from None
+
+
+@dataclass
+class TimedPair:
+    """Candidate and baseline as zero-argument calls, built inside a worker."""
+
+    candidate: Callable[[], Any]
+    baseline: Callable[[], Any]
+    before_each: Callable[[], Any] | None = None
+    # on CUDA: try to capture both calls in a CUDA graph and time the replays (verify steps)
+    graph: bool = False
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to rebuild the gate's environment, as JSON."""
+
+    device: str
+    threads: int
+    profile: str
+    policy: dict[str, Any]
+    plugins: list[str]  # module names, or paths of conftest files
+    selftest_candidates: list[str] | None = None  # originals whose planted routes to register
+    sys_path: list[str] = field(default_factory=lambda: list(sys.path))
+
+    def as_json(self) -> dict[str, Any]:
+        return {"device": self.device, "threads": self.threads, "profile": self.profile,
+                "policy": self.policy, "plugins": list(self.plugins),
+                "selftest_candidates": self.selftest_candidates, "sys_path": list(self.sys_path)}
+
+
+def plugin_references(hook_impls: Sequence[Any]) -> list[str]:
+    """How a worker re-imports every plugin that registered routes.
+
+    A module plugin travels by module name, a conftest by its file path. A plugin object (an
+    instance registered at run time) cannot be rebuilt in another process: that is a usage
+    error naming the fix, not a worker that silently lacks its routes.
+    """
+    refs: list[str] = []
+    for impl in hook_impls:
+        plugin = impl.plugin
+        if not isinstance(plugin, ModuleType):
+            raise TimingWorkerError(
+                f"routes registered by plugin object {plugin!r} cannot be rebuilt in a timing "
+                "worker process: implement pytest_dflash_routes in a module (a conftest.py or "
+                "an installed plugin module) instead")
+        file = getattr(plugin, "__file__", None)
+        name = plugin.__name__
+        if file and (Path(file).name == "conftest.py" or name not in sys.modules
+                     or "/" in name or name.endswith("conftest")):
+            refs.append(str(Path(file).resolve()))
+        else:
+            refs.append(name)
+    return refs
+
+
+class _Worker:
+    def __init__(self, index: int, spec: WorkerSpec, log_dir: Path, timeout_s: float) -> None:
+        self.index = index
+        self.timeout_s = timeout_s
+        self.log_path = log_dir / f"timing-worker-{index}.log"
+        read_fd, write_fd = os.pipe()
+        env = dict(os.environ)
+        env[PROTOCOL_FD_ENV] = str(write_fd)
+        env.setdefault("PYTHONHASHSEED", "random")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pytest_dflash.measure.worker"],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                pass_fds=(write_fd,), start_new_session=True)
+        os.close(write_fd)
+        self._reader = os.fdopen(read_fd, "rb", buffering=0)
+        self._buffer = b""
+        self._send({"op": "init", "spec": spec.as_json()})
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write((json.dumps(message) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the exit shows on the next read, with the log
+
+    def _line(self, label: str, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise TimingWorkerError(
+                    f"{label}: timing worker {self.index} (pid {self.pid}) sent nothing for "
+                    f"{timeout_s:g} s (policy timing_worker_timeout_s) and was killed as "
+                    f"hung; its log: {self.log_path}")
+            ready, _, _ = select.select([self._reader], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = self._reader.read(65536)
+            if not chunk:
+                code = self.proc.wait(timeout=10)
+                raise TimingWorkerError(
+                    f"{label}: timing worker {self.index} (pid {self.pid}) exited with code "
+                    f"{code} while timing; its log: {self.log_path}{_tail(self.log_path)}")
+            self._buffer += chunk
+            deadline = time.monotonic() + timeout_s  # any line is a sign of life
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def request(self, message: dict[str, Any], label: str,
+                timeout_s: float | None = None) -> dict[str, Any]:
+        """Send one request and wait for its answer (progress lines only keep it alive)."""
+        self._send(message)
+        while True:
+            answer = self._line(label, self.timeout_s if timeout_s is None else timeout_s)
+            if "progress" in answer:
+                continue
+            if "error" in answer:
+                raise TimingWorkerError(
+                    f"{label}: timing worker {self.index} (pid {self.pid}) failed: "
+                    f"{answer['error']}\nits log: {self.log_path}")
+            return answer
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self._send({"op": "exit"})
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._reader.close()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def _tail(path: Path, lines: int = 6) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return ("\n  " + "\n  ".join(text[-lines:])) if text else ""
+
+
+class TimingPool:
+    """``size`` worker processes, started on first use and shared by every timing gate."""
+
+    def __init__(self, spec: WorkerSpec | Callable[[], WorkerSpec], *, size: int,
+                 timeout_s: float, log_dir: Path | None = None) -> None:
+        if size < 2:
+            raise ValueError(f"a timing pool needs at least 2 workers (an interval across "
+                             f"processes needs two), got {size}")
+        # a callable is resolved at the first start: a run without timing gates imports no torch
+        self._spec = spec
+        self.size, self.timeout_s = size, timeout_s
+        self._log_dir = Path(log_dir) if log_dir is not None else None
+        self._workers: list[_Worker] = []
+        self._started = 0
+        self.started_s = 0.0  # seconds spent starting workers (reported as the pool's cost)
+
+    @property
+    def spec(self) -> WorkerSpec:
+        if callable(self._spec):
+            self._spec = self._spec()
+        return self._spec
+
+    @property
+    def log_dir(self) -> Path:
+        if self._log_dir is None:
+            self._log_dir = Path(tempfile.mkdtemp(prefix="dflash-timing-"))
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        return self._log_dir
+
+    def _start(self, label: str) -> _Worker:
+        start = time.perf_counter()
+        try:
+            spec = self.spec
+        except TimingWorkerError as exc:
+            raise TimingWorkerError(f"{label}: {exc}") from None
+        worker = _Worker(self._started, spec, self.log_dir, self.timeout_s)
+        self._started += 1
+        try:
+            # starting imports torch and rebuilds the registry: on a loaded machine that alone
+            # can take longer than a hung worker's timeout
+            worker.request({"op": "ping"}, label, max(self.timeout_s, START_TIMEOUT_S))
+        except TimingWorkerError:
+            worker.kill()
+            raise
+        self.started_s += time.perf_counter() - start
+        return worker
+
+    def _ensure(self, label: str) -> None:
+        while len(self._workers) < self.size:
+            self._workers.append(self._start(label))
+
+    def sample(self, job: TimingJob, count: int, *, rounds: int, warmup: int, seed: int,
+               label: str, fresh: bool) -> list[ProcessSample]:
+        """``count`` ProcessSamples of ``job``, one per worker, timed one worker at a time.
+
+        ``fresh=False``: the pool's workers (started once); ``fresh=True``: new processes
+        started for this look and stopped after it (a later look needs processes that have not
+        yet contributed to this gate).
+        """
+        if fresh:
+            workers = [self._start(label) for _ in range(count)]
+        else:
+            self._ensure(label)
+            if count > len(self._workers):
+                raise ValueError(f"{label}: asked for {count} pool workers, the pool has "
+                                 f"{len(self._workers)}")
+            workers = self._workers[:count]
+        samples: list[ProcessSample] = []
+        try:
+            for i, worker in enumerate(workers):
+                answer = worker.request({"op": "time", "builder": job.builder,
+                                         "kwargs": job.kwargs, "rounds": rounds,
+                                         "warmup": warmup, "seed": [seed, worker.index, i]},
+                                        label)
+                _replay_hits(answer.get("hits", []))
+                samples.append(ProcessSample(
+                    worker=worker.index, pid=worker.pid, candidate_s=answer["candidate_s"],
+                    baseline_s=answer["baseline_s"], orders=answer["orders"],
+                    setup_s=answer["setup_s"], info=answer.get("info", {})))
+        finally:
+            if fresh:
+                for worker in workers:
+                    worker.close()
+        return samples
+
+    def ask(self, message: dict[str, Any], label: str) -> list[dict[str, Any]]:
+        """Send ``message`` to every pool worker; their answers (for tests and diagnostics)."""
+        self._ensure(label)
+        return [worker.request(message, label) for worker in self._workers]
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.close()
+        self._workers.clear()
+
+
+def _replay_hits(counts: Sequence[Sequence[Any]]) -> None:
+    """Record the worker's route hits here, so the gate's hit checks see what ran there."""
+    from pytest_dflash import hits
+
+    for route, op, n in counts:
+        hits.record(route, op, int(n))
+
+
+_active: TimingPool | None = None
+
+
+def install(pool: TimingPool | None) -> TimingPool | None:
+    """Make ``pool`` the one timing gates use (None: none); returns the previous one."""
+    global _active
+    previous, _active = _active, pool
+    return previous
+
+
+def active() -> TimingPool | None:
+    return _active

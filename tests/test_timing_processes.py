@@ -1,0 +1,178 @@
+"""The cross-process timing statistic and its three outcomes (docs/gates.md, "Timing protocol").
+
+Simulated processes: each has a bias of its own (a lognormal factor drawn once per process, as
+the host path's per-process cost is) and per-round noise. The old protocol's interval, computed
+over the rounds of one process, rejects identical code whenever that process's bias exceeds the
+noise floor; the interval across processes must not. No wall clock anywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pytest_dflash.policy import Policy
+from pytest_dflash.statistics import (
+    ProcessSample,
+    across_processes,
+    decide,
+    finding,
+    paired_compare,
+    process_compare,
+    t_quantile,
+    threshold_for,
+    variance_components,
+)
+from pytest_dflash.verdict import gate_status, route_verdict
+
+POLICY = Policy()
+BIAS = 0.01  # sigma of the per-process log bias: 1%, well inside what the host path shows
+NOISE = 0.03  # sigma of the per-round log noise
+
+
+def _simulated(rng: np.random.Generator, true_ratio: float, bias: float | None = None):
+    """``sample(n, rounds)`` of simulated processes around ``true_ratio``."""
+    made = [0]
+
+    def sample(count: int, rounds: int) -> list[ProcessSample]:
+        out = []
+        for _ in range(count):
+            made[0] += 1
+            b = rng.normal(0.0, BIAS) if bias is None else bias
+            base = 1e-3 * rng.lognormal(0.0, NOISE, rounds)
+            cand = base * true_ratio * np.exp(b) * rng.lognormal(0.0, NOISE, rounds)
+            out.append(ProcessSample(worker=made[0], pid=made[0], candidate_s=cand.tolist(),
+                                     baseline_s=base.tolist(), orders=["cb"] * rounds,
+                                     setup_s=0.5))
+        return out
+
+    return sample
+
+
+def _decide_across(seed: int, true_ratio: float, rule: str = "no_regression"):
+    rng = np.random.default_rng(seed)
+    return process_compare(
+        _simulated(rng, true_ratio), processes=POLICY.timing_processes,
+        max_processes=POLICY.timing_max_processes, rounds=POLICY.timing_rounds_per_process,
+        confidence=POLICY.speed_confidence, rule=rule, threshold=threshold_for(rule, POLICY),
+        max_rounds=POLICY.timing_max_rounds_per_process)
+
+
+@pytest.mark.parametrize(("p", "df", "expected"), [
+    (0.975, 1, 12.706204736), (0.975, 5, 2.570581836), (0.975, 17, 2.109815578),
+    (0.995, 5, 4.032142984), (0.5, 9, 0.0), (0.025, 5, -2.570581836)])
+def test_t_quantile_matches_the_tables(p, df, expected):
+    assert t_quantile(p, df) == pytest.approx(expected, abs=1e-7)
+
+
+def test_t_quantile_refuses_nonsense():
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        t_quantile(0.975, 0)
+    with pytest.raises(ValueError, match="quantile level"):
+        t_quantile(1.0, 5)
+
+
+def test_interval_across_processes_is_the_t_interval_of_their_means():
+    stats = [0.01, -0.004, 0.002, 0.007, -0.001, 0.003]
+    ratio, lo, hi = across_processes(stats, 0.95)
+    mean, sd = np.mean(stats), np.std(stats, ddof=1)
+    half = 2.570581836 * sd / np.sqrt(6)
+    assert (ratio, lo, hi) == pytest.approx((np.exp(mean), np.exp(mean - half),
+                                             np.exp(mean + half)), rel=1e-9)
+    with pytest.raises(ValueError, match="at least 2 processes"):
+        across_processes([0.01], 0.95)
+
+
+def test_one_biased_process_rejects_identical_code_the_old_way_but_not_across_processes():
+    """A process whose own bias is +2% (identical code, true ratio 1): the old interval over
+    its 1536 rounds lies wholly above the 1% floor and rejects; processes drawn with that spread
+    of biases give an interval that does not fail."""
+    rng = np.random.default_rng(7)
+    one = _simulated(rng, 1.0, bias=0.02)(1, 1536)[0]
+    cand, base = iter(one.candidate_s), iter(one.baseline_s)  # one of each per round
+    old = paired_compare(lambda: next(cand), lambda: next(base), rounds=12, max_rounds=1536,
+                         confidence=0.95, resamples=2000, seed=1, rule="no_regression",
+                         threshold=threshold_for("no_regression", POLICY))
+    assert old.decision == "fail" and old.ci_low > 1.01, old.figure()
+    new = _decide_across(7, 1.0)
+    assert new.decision != "fail", new.figure()
+
+
+def test_identical_code_almost_never_fails_across_processes_and_often_did_within_one():
+    """200 simulated A/A gates: across processes at most 2.5% fail (the one-sided error the
+    95% interval allows); judged within one process, about a third would have failed."""
+    fails = sum(_decide_across(seed, 1.0).decision == "fail" for seed in range(200))
+    assert fails <= 5
+    rng = np.random.default_rng(0)
+    biases = rng.normal(0.0, BIAS, 2000)
+    # a process's within-process interval is ~+-0.15% at 1536 rounds: it fails when its bias
+    # alone exceeds the floor
+    assert np.mean(np.exp(biases) > 1.0 + POLICY.validation_noise_floor + 0.0015) > 0.10
+
+
+def test_planted_slowdowns_are_caught():
+    """5% slower fails every time; 2% slower (twice the floor) never passes."""
+    five = [_decide_across(seed, 1.05).decision for seed in range(30)]
+    two = [_decide_across(seed, 1.02).decision for seed in range(30)]
+    assert five == ["fail"] * 30
+    assert "pass" not in two
+
+
+def test_looks_add_processes_and_record_kalibera_jones_rounds():
+    result = _decide_across(3, 1.009)  # right at the floor: needs every look
+    assert result.looks == [6, 12, 18]
+    assert len(result.processes) == 18
+    assert result.rounds_per_process[:6] == [POLICY.timing_rounds_per_process] * 6
+    assert result.variance["within"] > 0 and "optimal_rounds" in result.variance
+    measured = result.measurements()
+    assert measured["unit"] == "process" and len(measured["processes"]) == 18
+    assert measured["decision"] in ("pass", "fail", "inconclusive")
+
+
+def test_variance_components_separate_bias_from_noise():
+    rng = np.random.default_rng(11)
+    samples = _simulated(rng, 1.0)(40, 200)
+    parts = variance_components(samples)
+    assert parts["within"] == pytest.approx(NOISE**2, rel=0.1)  # the ratio carries one draw
+    assert parts["between"] == pytest.approx(BIAS**2, rel=0.5)
+    # c_process = 0.5 s, c_round ~ 2 ms: K&J say sqrt(250 * within / between) rounds
+    assert parts["optimal_rounds"] == pytest.approx(
+        np.sqrt(0.5 / parts["round_s"] * parts["within"] / parts["between"]))
+
+
+@pytest.mark.parametrize(("rule", "lo", "hi", "decision", "words"), [
+    ("no_regression", 0.995, 1.008, "pass", "neutral"),
+    ("no_regression", 0.990, 0.998, "pass", "faster"),
+    ("no_regression", 1.011, 1.02, "fail", "slower"),
+    ("no_regression", 1.002, 1.015, "inconclusive", "inconclusive"),
+    ("gain", 0.95, 0.98, "pass", "faster"),
+    ("gain", 0.995, 1.004, "fail", "neutral"),
+    ("gain", 1.01, 1.03, "fail", "slower"),
+    ("gain", 0.98, 1.0, "inconclusive", "inconclusive"),
+])
+def test_three_outcomes_against_the_margin(rule, lo, hi, decision, words):
+    threshold = threshold_for(rule, POLICY)
+    assert decide(rule, threshold, lo, hi) == decision
+    assert finding(rule, threshold, lo, hi) == words
+
+
+def _test(outcome: str, message: str = "") -> dict:
+    return {"nodeid": f"t::{outcome}", "outcome": outcome, "message": message,
+            "measurements": {}}
+
+
+def test_inconclusive_never_promotes_and_never_says_slower():
+    gates = {"parity": {"status": "passed", "tests": [_test("passed")]},
+             "validation_cost": {"status": gate_status([_test("passed"),
+                                                        _test("inconclusive", "verify M=3: "
+                                                              "inconclusive")]),
+                                 "tests": [_test("passed"),
+                                           _test("inconclusive", "verify M=3: inconclusive")]}}
+    assert gates["validation_cost"]["status"] == "pending"
+    verdict, reasons = route_verdict(["parity", "validation_cost"], gates)
+    assert verdict == "pending"
+    assert reasons == ["validation_cost pending: inconclusive timing (verify M=3: inconclusive)"]
+    assert "slower" not in reasons[0]
+    # a failure elsewhere still rejects: inconclusive does not mask a fail
+    failing = {**gates, "parity": {"status": "failed", "tests": [_test("failed", "bad")]}}
+    assert route_verdict(["parity", "validation_cost"], failing)[0] == "reject"

@@ -1,0 +1,156 @@
+"""The timing worker protocol with real worker processes (``pytest_dflash.measure.workers``):
+environment handed over, a job timed with balanced orders and its route hits replayed here, a
+crash and a hang reported as errors naming the gate and the worker's log, never a hang."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_dflash import hits
+from pytest_dflash.measure.workers import (
+    TimingJob,
+    TimingPool,
+    TimingWorkerError,
+    WorkerSpec,
+    _Worker,
+    plugin_references,
+)
+from pytest_dflash.policy import Policy
+
+OUTSIDE = "attn.d256.outside_probe"
+
+PLUGIN = f'''
+from pytest_dflash import Route
+
+def pytest_dflash_routes(registry):
+    registry.register(Route("{OUTSIDE}", family="attn.d256", role="candidate",
+                            baseline="attn.d256.sdpa", gates=("parity",),
+                            impl="nowhere.at_all:NOT_IMPORTED"))
+'''
+
+JOBS = f'''
+import time
+
+from pytest_dflash import hits
+from pytest_dflash.measure.workers import TimedPair
+
+
+def spin(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def pair(ctx, *, base_s, factor):
+    assert "{OUTSIDE}" in ctx.registry  # the outside plugin's route was rebuilt here
+
+    def candidate():
+        hits.record("{OUTSIDE}", "dense")
+        spin(base_s * factor)
+
+    return TimedPair(candidate, lambda: spin(base_s))
+
+
+def broken(ctx):
+    raise ValueError("the builder cannot build this pair")
+'''
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory: pytest.TempPathFactory) -> WorkerSpec:
+    from pytest_dflash import shipped
+
+    folder = tmp_path_factory.mktemp("timing_plugin")
+    (folder / "conftest.py").write_text(PLUGIN)
+    (folder / "timing_jobs_for_test.py").write_text(JOBS)
+    return WorkerSpec(device="cpu", threads=1, profile="quick",
+                      policy=Policy(cpu_sample_min_s=0.0).as_dict(),
+                      plugins=[shipped.__name__, str(folder / "conftest.py")],
+                      sys_path=[str(folder), *sys.path])
+
+
+@pytest.fixture(scope="module")
+def pool(spec: WorkerSpec, tmp_path_factory: pytest.TempPathFactory):
+    """Two workers shared by the tests that do not break them (starting one costs seconds),
+    started under the CUDA_VISIBLE_DEVICES an xdist GPU worker would have set."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        shared = TimingPool(spec, size=2, timeout_s=120.0,
+                            log_dir=tmp_path_factory.mktemp("logs"))
+        shared.ask({"op": "ping"}, "start")
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def lone_worker(spec: WorkerSpec, tmp_path: Path):
+    """One started worker of its own, for the tests that crash or hang it."""
+    worker = _Worker(0, spec, tmp_path, timeout_s=3.0)
+    worker.request({"op": "ping"}, "start", timeout_s=300.0)
+    yield worker
+    worker.kill()
+    worker.close()
+
+
+def test_workers_inherit_the_gate_environment(pool):
+    answers = pool.ask({"op": "ping"}, "env check")
+    assert len({a["pid"] for a in answers}) == 2 and os.getpid() not in {a["pid"] for a in answers}
+    for answer in answers:
+        assert answer["cuda_visible_devices"] == ""  # as the pool's parent had it
+        assert answer["threads"] == 1
+        assert answer["device"] == "cpu"
+        assert OUTSIDE in answer["routes"] and "gemm.nvfp4.qpn2" in answer["routes"]
+
+
+def test_a_job_is_timed_in_balanced_order_and_its_hits_come_back(pool):
+    job = TimingJob("timing_jobs_for_test:pair", {"base_s": 0.0005, "factor": 1.5})
+    with hits.counting() as delta:
+        samples = pool.sample(job, 2, rounds=10, warmup=1, seed=5, label="job", fresh=False)
+    assert [len(s.candidate_s) for s in samples] == [10, 10]
+    for s in samples:
+        assert s.orders.count("cb") == s.orders.count("bc") == 5
+        assert 1.2 < sorted(s.ratios)[5] < 1.9  # the planted 1.5x, through a loaded machine
+    assert delta.route(OUTSIDE) == 20  # the timed candidate calls of both workers, not warm-up
+
+
+def test_a_builder_error_names_the_gate_and_the_log(pool):
+    with pytest.raises(TimingWorkerError, match=r"my gate: timing worker 0 .*failed: "
+                                                r"ValueError: the builder cannot") as info:
+        pool.sample(TimingJob("timing_jobs_for_test:broken"), 1, rounds=2, warmup=0, seed=1,
+                    label="my gate", fresh=False)
+    assert "timing-worker-0.log" in str(info.value)
+
+
+def test_a_crashed_worker_is_an_error_naming_the_gate_and_its_log(lone_worker):
+    worker = lone_worker
+    with pytest.raises(TimingWorkerError, match="crash gate: timing worker 0 .* exited with "
+                                                "code 7 while timing; its log: ") as info:
+        worker.request({"op": "crash", "code": 7}, "crash gate")
+    assert Path(str(info.value).split("its log: ")[1].split()[0]).is_file()
+
+
+def test_a_hung_worker_is_killed_and_reported_not_waited_on(lone_worker):
+    worker = lone_worker
+    with pytest.raises(TimingWorkerError, match=r"hang gate: timing worker 0 .* sent nothing "
+                                                r"for 3 s .* killed as hung; its log: "):
+        worker.request({"op": "hang", "seconds": 600}, "hang gate")
+    assert worker.proc.poll() is not None  # dead, not left behind
+
+
+def test_plugin_objects_cannot_travel_and_say_so():
+    class Impl:
+        plugin = object()
+
+    with pytest.raises(TimingWorkerError, match="implement pytest_dflash_routes in a module"):
+        plugin_references([Impl()])
+
+
+def test_a_job_must_name_a_builder_and_carry_json():
+    with pytest.raises(ValueError, match="package.module:function"):
+        TimingJob("no_colon")
+    with pytest.raises(ValueError, match="must be JSON values"):
+        TimingJob("a:b", {"x": object()})
