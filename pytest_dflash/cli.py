@@ -104,6 +104,13 @@ def _selftest(args: argparse.Namespace) -> int:
     """The catch table of a report (``--run``: run the self-test first, through pytest)."""
     from pytest_dflash.selftest import summary
 
+    if args.repeat is not None:
+        from pytest_dflash.selftest import repeat
+
+        section = repeat.run(args.repeat, Path(args.report), args.pytest_args or [])
+        bad = [(route, kind) for route, kinds in section["routes"].items()
+               for kind, keys in kinds.items() if keys.get("copy", {}).get("fail")]
+        return 1 if bad else 0
     if args.pytest_args is not None:
         import subprocess
 
@@ -199,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         "selftest", help="the self-test's catch table of a report (exit 1 if a gate missed a "
         "planted defect); with --run, run `pytest -m sm70 --dflash-selftest` first")
     selftest.add_argument("report", nargs="?", default="dflash-report.json")
+    selftest.add_argument("--repeat", type=int, default=None, metavar="K",
+                          help="run the timing calibration self-test K times (each timing "
+                               "gate's unchanged copy and 1/2/5/10%% slowdowns) and print, per "
+                               "gate, how many runs passed, were inconclusive or failed; exit 1 "
+                               "if an unchanged copy ever failed (pytest arguments after --run)")
     selftest.add_argument("--run", nargs=argparse.REMAINDER, default=None, dest="pytest_args",
                           metavar="PYTEST_ARGS",
                           help="run the self-test (remaining arguments go to pytest, e.g. "

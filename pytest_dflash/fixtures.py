@@ -6,13 +6,13 @@ need one thing only (and for suites written against them before ``dflash_gate`` 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pytest_dflash import engine_setup
+from pytest_dflash import engine_setup, hits
 from pytest_dflash.environment import profile_of, sidecar_path, torch_device
 from pytest_dflash.gate import GateContext
 from pytest_dflash.policy import Policy
@@ -105,15 +105,22 @@ def dflash_engine(pytestconfig: pytest.Config) -> Callable[[dict[str, str]], Any
 def dflash_gate(request: pytest.FixtureRequest, dflash_route: Route,
                 dflash_registry: RouteRegistry, dflash_policy: Policy, dflash_profile: str,
                 dflash_device: Any, dflash_record: Callable[..., None],
-                dflash_engine: Callable[[dict[str, str]], Any]) -> GateContext:
+                dflash_engine: Callable[[dict[str, str]], Any]) -> Iterator[GateContext]:
     """The gate context of this test (``pytest_dflash.gate.GateContext``): the candidate, its
     family's baseline, oracle and verify route, policy, profile and sizes, device and dtype,
-    case seeds, ``record(...)`` and the baseline/candidate engines."""
+    case seeds, ``record(...)`` and the baseline/candidate engines. For a route that runs
+    another route's code (``Route.hit_source``) that route's hits count as its own for the
+    whole test, booked outside the timed calls (``hits.attributed``)."""
     bound = binding(request.node)
     kind = bound["kind"] if bound else request.node.get_closest_marker("gate").args[0]
     config = request.config
-    return GateContext(route=dflash_route, kind=kind, registry=dflash_registry,
+    gate = GateContext(route=dflash_route, kind=kind, registry=dflash_registry,
                        policy=dflash_policy, profile=dflash_profile, device=dflash_device,
                        record=dflash_record, engine=dflash_engine,
                        data_dir=engine_setup.settings_of(config).data,
                        servers=lambda: engine_setup.factory_of(config).servers())
+    if dflash_route.hit_source is None:
+        yield gate
+        return
+    with hits.attributed(dflash_route.hit_source, dflash_route.name):
+        yield gate

@@ -22,6 +22,8 @@ _local = threading.local()  # per-thread route renames of the enclosing ``rename
 # (source, target) -> sequence number of its latest ``renamed`` block (for native counts)
 _claims: dict[tuple[str, str], int] = {}
 _claim_seq = 0
+# source route -> target route of every ``attributed`` block now open (whole gate tests)
+_standing: dict[str, str] = {}
 
 
 def record(route: str, op: str, count: int = 1) -> None:
@@ -59,6 +61,31 @@ class renamed:  # noqa: N801 - used like a function: ``with hits.renamed(a, b):`
 
     def __exit__(self, *exc: object) -> None:
         _local.aliases = self.previous
+
+
+class attributed:  # noqa: N801 - used like a function: ``with hits.attributed(a, b):``
+    """While the block is open, every ``counting()`` delta books hits of ``source`` under
+    ``target``: Python and native hits alike, attributed once per block, not per call.
+
+    For a route that runs another route's code unchanged (``Route.hit_source``, the
+    self-test's copies): nothing is added to the timed path, and the gates still see hits
+    under the name of the route they judge. The gate fixture opens it around a whole test.
+    """
+
+    __slots__ = ("source", "target", "previous")
+
+    def __init__(self, source: str, target: str) -> None:
+        self.source, self.target = source, target
+
+    def __enter__(self) -> None:
+        self.previous = _standing.get(self.source)
+        _standing[self.source] = self.target
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is None:
+            _standing.pop(self.source, None)
+        else:
+            _standing[self.source] = self.previous
 
 
 def add_source(read: Callable[[], dict[tuple[str, str], int]]) -> None:
@@ -133,4 +160,10 @@ def counting() -> Iterator[HitDelta]:
                     counts[(route, op)] -= n
                     counts[(claimed[route], op)] = counts.get((claimed[route], op), 0) + n
             counts = {k: n for k, n in counts.items() if n}
+        if _standing:
+            booked: dict[tuple[str, str], int] = {}
+            for (route, op), n in counts.items():
+                key = (_standing.get(route, route), op)
+                booked[key] = booked.get(key, 0) + n
+            counts = booked
         delta.counts = counts

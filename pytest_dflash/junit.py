@@ -36,11 +36,13 @@ def _ci(measurements: dict[str, Any]) -> tuple[str | None, str | None]:
 
 def properties(binding: dict[str, Any]) -> list[tuple[str, str]]:
     """``dflash_route``, ``dflash_kind``, and when recorded ``dflash_figure``,
-    ``dflash_ci_low``, ``dflash_ci_high`` for one gate test."""
+    ``dflash_decision``, ``dflash_ci_low``, ``dflash_ci_high`` for one gate test."""
     measurements = binding.get("measurements") or {}
     props = [(f"{PREFIX}_route", str(binding["route"])), (f"{PREFIX}_kind", str(binding["kind"]))]
     if measurements.get("figure"):
         props.append((f"{PREFIX}_figure", str(measurements["figure"])))
+    if measurements.get("decision"):  # timing tests: pass / fail / inconclusive
+        props.append((f"{PREFIX}_decision", str(measurements["decision"])))
     low, high = _ci(measurements)
     if low is not None:
         props.append((f"{PREFIX}_ci_low", low))

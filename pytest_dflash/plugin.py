@@ -67,6 +67,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--dflash-selftest", action="store_true", default=None,
                     help="plant the catalogue's defects next to every selected candidate and "
                          "prove each gate catches them here (docs/selftest.md)")
+    group.addoption("--dflash-selftest-calibrate", action="store_true", default=False,
+                    help="with --dflash-selftest: plant, next to every selected candidate, only "
+                         "its timing gates' unchanged copy and 1%%, 2%%, 5%%, 10%% slowdowns (the "
+                         "calibration that `pytest-dflash selftest --repeat K` repeats)")
     group.addoption("--dflash-allow-unjailed", action="store_true", default=False,
                     help="score generated code even where no file-system jail can be built "
                          "(the host's files readable to it); recorded in the report "

@@ -58,6 +58,9 @@ class Route:
     switch: str | None = None
     description: str = ""
     verify_route: str | None = None
+    # the route whose code this one runs unchanged: its hits count as this route's, booked per
+    # gate test (``hits.attributed``), so proving what ran costs the timed calls nothing
+    hit_source: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -148,6 +151,11 @@ class RouteRegistry:
                     f"route {route.name!r} and its baseline {base.name!r} are of different families"
                 )
         for route in self._routes.values():
+            source = self._routes.get(route.hit_source) if route.hit_source else None
+            if route.hit_source and (source is None or source.family != route.family):
+                raise RegistryError(
+                    f"route {route.name!r} names hit_source {route.hit_source!r}, which is not "
+                    f"a registered route of family {route.family!r}")
             if route.verify_route is None:
                 continue
             verify = self._routes.get(route.verify_route)

@@ -104,14 +104,15 @@ def start(config: pytest.Config) -> DflashState:
         config.pluginmanager.register(EvidenceCollector(config), "dflash-evidence")
     state.timing_pool = workers.TimingPool(
         lambda: _worker_spec(config, state, route_plugins,
-                             selftest_originals if option(config, "selftest") else None),
+                             selftest_originals if option(config, "selftest") else None,
+                             bool(config.getoption("dflash_selftest_calibrate", False))),
         size=state.policy.timing_processes, timeout_s=state.policy.timing_worker_timeout_s)
     workers.install(state.timing_pool)
     return state
 
 
 def _worker_spec(config: pytest.Config, state: DflashState, route_plugins: list[Any],
-                 selftest: list[str] | None) -> workers.WorkerSpec:
+                 selftest: list[str] | None, calibrate: bool) -> workers.WorkerSpec:
     """The gate's environment as the timing workers rebuild it: its device, thread count,
     profile and policy, the plugins that registered routes, the self-test's originals."""
     import torch
@@ -119,7 +120,8 @@ def _worker_spec(config: pytest.Config, state: DflashState, route_plugins: list[
     return workers.WorkerSpec(
         device=str(torch_device(config)), threads=torch.get_num_threads(),
         profile=profile_of(config), policy=state.policy.as_dict(),
-        plugins=workers.plugin_references(route_plugins), selftest_candidates=selftest)
+        plugins=workers.plugin_references(route_plugins), selftest_candidates=selftest,
+        selftest_calibrate=calibrate)
 
 
 def stop(config: pytest.Config) -> None:
@@ -209,6 +211,8 @@ class EvidenceCollector:
             test["outcome"], test["message"] = (INCONCLUSIVE if undecided else "skipped"), ""
             if isinstance(report.longrepr, tuple):
                 test["message"] = str(report.longrepr[2]).removeprefix("Skipped: ")
+                if undecided:  # pytest names the exception's class before its message
+                    test["message"] = test["message"].split("TimingInconclusive: ", 1)[-1]
         elif report.failed:
             # an expected-failure test that failed anyway raised what its mark does not expect
             # (a planted route that broke the test instead of being judged): an error

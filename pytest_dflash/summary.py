@@ -13,10 +13,12 @@ from typing import Any
 
 from pytest_dflash.selftest.catalogue import verdict_routes
 from pytest_dflash.table import render
+from pytest_dflash.verdict import gate_outcome
 
 FORMATS: tuple[str, ...] = ("text", "markdown", "json")
 SUMMARY_SCHEMA = "pytest-dflash/summary/1"
-_MD_STATUS = {"passed": "pass", "failed": "**FAIL**", "pending": "pending"}
+_MD_STATUS = {"passed": "pass", "failed": "**FAIL**", "pending": "pending",
+              "inconclusive": "*inconclusive*"}
 _MD_VERDICT = {"accept": "ACCEPT", "reject": "**REJECT**", "pending": "*PENDING*"}
 
 
@@ -83,7 +85,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         cells = []
         for kind in kinds:
             gate = entry["gates"].get(kind)
-            cells.append("-" if gate is None else _MD_STATUS.get(gate["status"], gate["status"]))
+            cells.append("-" if gate is None else _MD_STATUS[gate_outcome(gate)])
         verdict = _MD_VERDICT.get(entry["verdict"], entry["verdict"])
         lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {verdict} |")
     lines.append("")
@@ -103,7 +105,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         for kind in kinds:
             gate = entry["gates"].get(kind)
             if gate is not None:
-                lines.append(f"| `{name}` | {kind} | {gate['status']} | "
+                lines.append(f"| `{name}` | {kind} | {gate_outcome(gate)} | "
                              f"{_md_cell(gate.get('figure') or '-')} |")
     lines.extend(["", "</details>", ""])
     return "\n".join(lines)
@@ -126,7 +128,8 @@ def to_json(report: dict[str, Any]) -> dict[str, Any]:
                 "verdict": entry["verdict"],
                 "switch": entry.get("switch"),
                 "reasons": list(entry["reasons"]),
-                "gates": {kind: {"status": gate["status"], "figure": gate.get("figure", "")}
+                "gates": {kind: {"status": gate["status"], "outcome": gate_outcome(gate),
+                                 "figure": gate.get("figure", "")}
                           for kind, gate in entry["gates"].items()},
             }
             for name, entry in sorted(verdict_routes(report["routes"]).items())

@@ -6,9 +6,10 @@ from typing import Any
 
 from pytest_dflash.selftest.catalogue import verdict_routes
 from pytest_dflash.selftest.summary import marks, summarize
+from pytest_dflash.verdict import gate_outcome
 from pytest_dflash.vocabulary import GATE_KINDS
 
-_MARK = {"passed": "pass", "failed": "FAIL", "pending": "pending"}
+_MARK = {"passed": "pass", "failed": "FAIL", "pending": "pending", "inconclusive": "inconcl"}
 
 
 def render(report: dict[str, Any]) -> list[str]:
@@ -31,7 +32,7 @@ def render(report: dict[str, Any]) -> list[str]:
         cells = []
         for kind, width in zip(kinds, widths, strict=False):
             gate = entry["gates"].get(kind)
-            mark = "-" if gate is None else _MARK[gate["status"]]
+            mark = "-" if gate is None else _MARK[gate_outcome(gate)]
             cells.append((mark + ("!" if (name, kind) in unproven else "")).ljust(width))
         lines.append("  ".join([name.ljust(name_w), *cells, entry["verdict"].upper()]))
         for kind in kinds:

@@ -217,15 +217,16 @@ def speed_gate(
 
 def _across_processes(pool: workers.TimingPool, job: workers.TimingJob, *, policy: Policy,
                       label: str, rule: str) -> ProcessResult:
-    """The pool's workers give the first look; each later look starts fresh processes."""
+    """The pool's first workers give the first look, each later look the next ones."""
     threshold = threshold_for(rule, policy)
     seed = policy.seed + zlib.crc32(label.encode())
-    looks = [0]
+    used = [0]
 
     def sample(count: int, rounds: int) -> list[Any]:
-        looks[0] += 1
-        return pool.sample(job, count, rounds=rounds, warmup=policy.speed_warmup,
-                           seed=seed + looks[0], label=label, fresh=looks[0] > 1)
+        samples = pool.sample(job, count, rounds=rounds, warmup=policy.speed_warmup,
+                              seed=seed, label=label, first=used[0])
+        used[0] += count
+        return samples
 
     with progress.gate(label, rule=rule, threshold=threshold,
                        max_rounds=policy.timing_max_processes,

@@ -38,6 +38,14 @@ def gate_status(tests: Iterable[Mapping[str, Any]]) -> str:
     return PENDING
 
 
+def gate_outcome(gate: Mapping[str, Any]) -> str:
+    """The gate's status, or ``inconclusive`` for a pending gate held by an inconclusive timing
+    test (the table, Markdown, JSON summary and JUnit show this word)."""
+    if gate["status"] == PENDING and any(t["outcome"] == INCONCLUSIVE for t in gate["tests"]):
+        return INCONCLUSIVE
+    return str(gate["status"])
+
+
 def margin(measurements: Mapping[str, Any]) -> float:
     """How close a test came to its limit (1.0 = on the limit), from its own measurements.
 

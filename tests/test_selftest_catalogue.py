@@ -97,13 +97,24 @@ def _dense(impl, q, k, v):
     return out
 
 
-def test_attention_copy_is_the_served_route_under_its_own_name(registry):
+def test_the_copy_is_the_route_itself_with_its_hits_booked_per_test(registry):
+    """The A/A control: the copy's record names the very same implementation, so its calls
+    run no extra code; its hits are the original's, booked as the copy's while the gate test's
+    ``hits.attributed`` block is open (outside the timed calls)."""
     q, k, v = _qkv()
-    copy = _attn(registry, "copy")
-    with hits.counting() as delta:
-        out = _dense(copy, q, k, v)
-    assert delta.as_json() == {"attn.d256.fa2~copy/dense": 1}
-    assert torch.equal(out, _dense(registry.get("attn.d256.sdpa").implementation(), q, k, v))
+    copy = catalogue.as_route(_planted(registry, "attn.d256.fa2", "copy"), registry, Policy())
+    original = registry.get("attn.d256.fa2")
+    assert copy.impl == original.impl and copy.hit_source == "attn.d256.fa2"
+    assert copy.verify_route == original.verify_route
+    sdpa = registry.get("attn.d256.sdpa").implementation()  # runs without a native build
+    with hits.counting() as outside:
+        hits.record("attn.d256.fa2", "dense")
+    with hits.attributed(copy.hit_source, copy.name), hits.counting() as inside:
+        hits.record("attn.d256.fa2", "dense")
+        out = _dense(sdpa, q, k, v)
+    assert outside.as_json() == {"attn.d256.fa2/dense": 1}
+    assert inside.as_json() == {"attn.d256.fa2~copy/dense": 1, "attn.d256.sdpa/dense": 1}
+    assert torch.equal(out, _dense(sdpa, q, k, v))
 
 
 def test_attention_parity_defects_do_what_the_catalogue_says(registry):
@@ -161,7 +172,9 @@ def test_gemm_parity_defects_do_what_the_catalogue_says(registry):
         "row_unwritten": lambda y: torch.isnan(y[-1]).all() and torch.equal(y[:-1], good[:-1]),
     }.items():
         impl = _gemm(registry, key, "gemm.nvfp4.qpn2")
-        with hits.counting() as delta:
+        # the copy's hits are booked per gate test (as the gate fixture does), not per call
+        with hits.attributed("gemm.nvfp4.qpn2", "gemm.nvfp4.qpn2~copy"), \
+                hits.counting() as delta:
             y = impl.linear(x, impl.prepare(w))
         assert check(y), key
         assert delta.route(f"gemm.nvfp4.qpn2~{key}") == 1 and delta.route("gemm.nvfp4.qpn2") == 0
@@ -253,6 +266,10 @@ def test_validation_cost_compares_planted_routes_with_the_verify_route_wrapped_a
             continue
         gate = _gate(declared, p.name)
         verify = gate.verify_route.implementation()
+        if p.key == "copy":  # the A/A control meets what the route itself meets, bare
+            assert gate.verify_route.name == "gemm.nvfp4.qpn2", p.name
+            sides[p.key] = gate.impl, verify
+            continue
         assert type(verify) is type(gate.impl), p.name  # the same wrapper on both sides
         assert (verify.planted.serves.name, verify.defect, verify.slowdown.fraction) == (
             "gemm.nvfp4.qpn2", None, 0.0)
@@ -261,28 +278,34 @@ def test_validation_cost_compares_planted_routes_with_the_verify_route_wrapped_a
     # the route itself still meets the family's verify route, bare
     assert _gate(declared, "gemm.nvfp4.qpn2_packed").verify_route.name == "gemm.nvfp4.qpn2"
 
-    copy, verify = sides["copy"]
+    copy, bare_verify = sides["copy"]
+    original = _gate(declared, "gemm.nvfp4.qpn2_packed").impl
+    assert copy is original  # the same object: not a wrapper
     # the copy keeps its served route's resident form: one weight copy, as the route's own gate
-    assert shares_resident_weights(copy, verify)
+    assert shares_resident_weights(copy, bare_verify)
+    verify = sides["verify_path"][1]
     assert not shares_resident_weights(*sides["verify_path"])
     weights = (verify.prepare(_weight(256, 128)), verify.prepare(_weight(128, 128)))
     x = make_x(3, 128, seed=3, dtype=torch.float32, device=torch.device("cpu"))
     bare = declared.get("gemm.nvfp4.qpn2").implementation()
     slowed = sides["verify_cost_2pct"][0]
-    on, off, direct, slow = (_verify_step(impl, x, *weights)
-                             for impl in (copy, verify, bare, slowed))
-    for step in (on, off, direct, slow):
+    through = sides["verify_cost_2pct"][1]
+    on, direct, slow, off = (_verify_step(impl, x, *weights)
+                             for impl in (copy, bare, slowed, through))
+    for step in (on, direct, slow, off):
         step()  # first calls build each route's op arguments
-    assert _python_calls(on) == _python_calls(off)
+    # the copy's timed path is the route's own, call for call
+    assert _python_calls(on) == _python_calls(_verify_step(original, x, *weights))
     # the planted slowdown differs from its comparison by the wait alone, not by bookkeeping
     assert _python_calls(slow) == _python_calls(off)
     assert len(_python_calls(direct)) < len(_python_calls(off))  # what the wrapper costs
-    with hits.counting() as enabled:
-        on()
-    with hits.counting() as disabled:
-        off()
+    with hits.attributed("gemm.nvfp4.qpn2_packed", "gemm.nvfp4.qpn2_packed~copy"):
+        with hits.counting() as enabled:
+            on()
+        with hits.counting() as disabled:
+            _verify_step(bare, x, *weights)()
     assert disabled.as_json() == {"gemm.nvfp4.qpn2/small_m": 2}  # the verify route's own hits
-    check_same_kernels(copy.name, enabled, disabled, "copy")
+    check_same_kernels("gemm.nvfp4.qpn2_packed~copy", enabled, disabled, "copy")
     wrong, _ = sides["verify_path"]
     with hits.counting() as other:
         _verify_step(wrong, x, *(wrong.prepare(_weight(256, 128)),

@@ -109,7 +109,7 @@ def test_workers_inherit_the_gate_environment(pool):
 def test_a_job_is_timed_in_balanced_order_and_its_hits_come_back(pool):
     job = TimingJob("timing_jobs_for_test:pair", {"base_s": 0.0005, "factor": 1.5})
     with hits.counting() as delta:
-        samples = pool.sample(job, 2, rounds=10, warmup=1, seed=5, label="job", fresh=False)
+        samples = pool.sample(job, 2, rounds=10, warmup=1, seed=5, label="job")
     assert [len(s.candidate_s) for s in samples] == [10, 10]
     for s in samples:
         assert s.orders.count("cb") == s.orders.count("bc") == 5
@@ -121,7 +121,7 @@ def test_a_builder_error_names_the_gate_and_the_log(pool):
     with pytest.raises(TimingWorkerError, match=r"my gate: timing worker 0 .*failed: "
                                                 r"ValueError: the builder cannot") as info:
         pool.sample(TimingJob("timing_jobs_for_test:broken"), 1, rounds=2, warmup=0, seed=1,
-                    label="my gate", fresh=False)
+                    label="my gate")
     assert "timing-worker-0.log" in str(info.value)
 
 

@@ -35,7 +35,7 @@ class WorkerContext:
         self.policy = Policy(**spec["policy"])
         self.threads = int(spec["threads"])
         self.registry = _rebuild_registry(spec["plugins"], spec.get("selftest_candidates"),
-                                          self.policy)
+                                          self.policy, bool(spec.get("selftest_calibrate")))
 
     def implementation(self, route: str) -> Any:
         """The implementation object of ``route``, as the gate's process resolves it."""
@@ -54,7 +54,8 @@ class WorkerContext:
                            record=lambda **_: None, engine=no_engine)
 
 
-def _rebuild_registry(plugins: list[str], selftest: list[str] | None, policy: Any) -> Any:
+def _rebuild_registry(plugins: list[str], selftest: list[str] | None, policy: Any,
+                      calibrate: bool = False) -> Any:
     """The run's route registry, through the same hook and plugins as the pytest run."""
     import pluggy
 
@@ -93,7 +94,7 @@ def _rebuild_registry(plugins: list[str], selftest: list[str] | None, policy: An
         from pytest_dflash.selftest import catalogue
 
         originals = [registry.get(name) for name in selftest]
-        for planted in catalogue.plan(originals, registry, policy):
+        for planted in catalogue.plan(originals, registry, policy, calibrate=calibrate):
             registry.register(catalogue.as_route(planted, registry, policy))
     return registry
 

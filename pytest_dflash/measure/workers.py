@@ -7,8 +7,9 @@ worker processes and decides on the interval across them (``statistics.process_c
 
 Cost: starting a worker imports torch, loads the kernels and rebuilds the route registry, which
 takes seconds, so a :class:`TimingPool` of ``policy.timing_processes`` workers is started once
-per pytest run (lazily, at the first timing gate) and shared by every timing gate; a look that
-needs more processes than the pool holds starts fresh ones for that look and stops them after.
+per pytest run (lazily, at the first timing gate) and shared by every timing gate. A gate's
+later look takes the next workers of the pool (no process contributes twice to one gate), which
+are started when a look first needs them and then stay for later gates.
 Only one worker times at a time (the parent hands a job to one worker and waits for its
 answer), so two timing workers never share a device while timing.
 
@@ -91,12 +92,14 @@ class WorkerSpec:
     policy: dict[str, Any]
     plugins: list[str]  # module names, or paths of conftest files
     selftest_candidates: list[str] | None = None  # originals whose planted routes to register
+    selftest_calibrate: bool = False  # the timing calibration set instead of the catalogue
     sys_path: list[str] = field(default_factory=lambda: list(sys.path))
 
     def as_json(self) -> dict[str, Any]:
         return {"device": self.device, "threads": self.threads, "profile": self.profile,
                 "policy": self.policy, "plugins": list(self.plugins),
-                "selftest_candidates": self.selftest_candidates, "sys_path": list(self.sys_path)}
+                "selftest_candidates": self.selftest_candidates,
+                "selftest_calibrate": self.selftest_calibrate, "sys_path": list(self.sys_path)}
 
 
 def plugin_references(hook_impls: Sequence[Any]) -> list[str]:
@@ -265,42 +268,30 @@ class TimingPool:
         self.started_s += time.perf_counter() - start
         return worker
 
-    def _ensure(self, label: str) -> None:
-        while len(self._workers) < self.size:
+    def _ensure(self, label: str, count: int | None = None) -> None:
+        while len(self._workers) < (self.size if count is None else count):
             self._workers.append(self._start(label))
 
     def sample(self, job: TimingJob, count: int, *, rounds: int, warmup: int, seed: int,
-               label: str, fresh: bool) -> list[ProcessSample]:
-        """``count`` ProcessSamples of ``job``, one per worker, timed one worker at a time.
+               label: str, first: int = 0) -> list[ProcessSample]:
+        """``count`` ProcessSamples of ``job`` from workers ``first .. first + count - 1``,
+        timed one worker at a time.
 
-        ``fresh=False``: the pool's workers (started once); ``fresh=True``: new processes
-        started for this look and stopped after it (a later look needs processes that have not
-        yet contributed to this gate).
+        A gate's first look takes the first workers, each later look the next ones, so no
+        process contributes twice to one gate's interval. Workers a look needs beyond those
+        running are started then and stay in the pool, so a later gate's later look finds them.
         """
-        if fresh:
-            workers = [self._start(label) for _ in range(count)]
-        else:
-            self._ensure(label)
-            if count > len(self._workers):
-                raise ValueError(f"{label}: asked for {count} pool workers, the pool has "
-                                 f"{len(self._workers)}")
-            workers = self._workers[:count]
+        self._ensure(label, max(self.size, first + count))
         samples: list[ProcessSample] = []
-        try:
-            for i, worker in enumerate(workers):
-                answer = worker.request({"op": "time", "builder": job.builder,
-                                         "kwargs": job.kwargs, "rounds": rounds,
-                                         "warmup": warmup, "seed": [seed, worker.index, i]},
-                                        label)
-                _replay_hits(answer.get("hits", []))
-                samples.append(ProcessSample(
-                    worker=worker.index, pid=worker.pid, candidate_s=answer["candidate_s"],
-                    baseline_s=answer["baseline_s"], orders=answer["orders"],
-                    setup_s=answer["setup_s"], info=answer.get("info", {})))
-        finally:
-            if fresh:
-                for worker in workers:
-                    worker.close()
+        for i, worker in enumerate(self._workers[first:first + count]):
+            answer = worker.request({"op": "time", "builder": job.builder,
+                                     "kwargs": job.kwargs, "rounds": rounds,
+                                     "warmup": warmup, "seed": [seed, first + i]}, label)
+            _replay_hits(answer.get("hits", []))
+            samples.append(ProcessSample(
+                worker=worker.index, pid=worker.pid, candidate_s=answer["candidate_s"],
+                baseline_s=answer["baseline_s"], orders=answer["orders"],
+                setup_s=answer["setup_s"], info=answer.get("info", {})))
         return samples
 
     def ask(self, message: dict[str, Any], label: str) -> list[dict[str, Any]]:

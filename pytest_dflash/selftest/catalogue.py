@@ -29,8 +29,11 @@ Route names: ``<route>~copy`` and ``<route>~<defect>``. The planted routes are c
 route's family with the route's baseline, so verdicts, figures and reports treat them like any
 other route.
 
-Every planted route serves its calls through a Python wrapper (``wrappers.py``), which costs a
-few microseconds per call. A validation_cost gate compares its candidate with the family's
+The unchanged copy is an A/A control: its record names the route's own implementation and
+verify route, with ``hit_source`` set to the route, so the gates time the very same calls and
+book the route's hits as the copy's per test (``hits.attributed``), not per call. Every planted
+defect serves its calls through a Python wrapper (``wrappers.py``), which costs a few
+microseconds per call. A validation_cost gate compares its candidate with the family's
 verify route, and a quick-size verify step is tens of microseconds, so that cost alone would
 read as a regression. The planted routes of such a gate are therefore compared with
 ``<verify route>~passthrough``: the verify route behind the same wrapper, with no defect, whose
@@ -55,6 +58,9 @@ PARITY_SCALE = 1.0 + 2.0**-9
 DEGENERATE_EVERY = 4
 VERIFY_COST = 0.02
 SPEED_RUNGS = (0.03, 0.10)  # besides the policy's min gain, which is always the first rung
+# ``--dflash-selftest-calibrate`` (``pytest-dflash selftest --repeat K``): every timing gate's
+# copy and these planted slowdowns, to count pass / inconclusive / fail over repeated runs
+CALIBRATION_RUNGS = (0.01, 0.02, 0.05, 0.10)
 # Gate kinds with planted defects; the loader gate's scenarios are real library files already.
 KINDS = ("parity", "speed", "validation_cost", "ppl", "quality")
 TIMING_KINDS = ("speed", "validation_cost")
@@ -77,6 +83,23 @@ class Defect:
 
 def _pct(fraction: float) -> str:
     return f"{fraction * 100:g}pct".replace(".", "p")
+
+
+def calibration(policy: Any) -> tuple[Defect, ...]:
+    """The timing calibration set: planted slowdowns of ``CALIBRATION_RUNGS`` for the speed
+    gates (the baseline's code slowed) and the validation_cost gates (every call slowed). A
+    1% slowdown sits on the validation_cost noise floor: it is counted, not expected caught."""
+    del policy
+    speed = frozenset({ATTN, GEMM, GEOMETRY})
+    defects = []
+    for fraction in CALIBRATION_RUNGS:
+        defects.append(Defect(f"slow_{_pct(fraction)}", "speed", speed,
+                              f"no gain: the baseline's code slowed by {fraction:.0%}",
+                              serves="baseline", slowdown=fraction))
+        defects.append(Defect(f"verify_cost_{_pct(fraction)}", "validation_cost",
+                              frozenset({GEMM}), f"every call {fraction:.0%} slower",
+                              slowdown=fraction))
+    return tuple(defects)
 
 
 def catalogue(policy: Any) -> tuple[Defect, ...]:
@@ -125,6 +148,7 @@ class Planted:
     serves: Route  # the route whose code serves the calls
     defect: Defect | None
     pass_through: bool = False
+    only: tuple[str, ...] = KINDS  # the copy's gate kinds (the calibration: timing only)
 
     @property
     def key(self) -> str:
@@ -138,7 +162,7 @@ class Planted:
             return ()  # never judged itself: it is the other side of its planted routes' gates
         if self.defect is not None:
             return (self.defect.kind,)
-        return tuple(k for k in self.original.gates if k in KINDS)
+        return tuple(k for k in self.original.gates if k in self.only)
 
     @property
     def what(self) -> str:
@@ -172,15 +196,21 @@ def verdict_routes(routes: dict[str, Any]) -> dict[str, Any]:
     return {name: entry for name, entry in routes.items() if original_of(name) is None}
 
 
-def plan(candidates: Iterable[Route], registry: Any, policy: Any) -> list[Planted]:
+def plan(candidates: Iterable[Route], registry: Any, policy: Any, *,
+         calibrate: bool = False) -> list[Planted]:
     """The copy and the applicable defects of every candidate that has a catalogued gate, then
-    the pass-through of each verify route that a planted validation_cost gate compares with."""
-    defects = catalogue(policy)
+    the pass-through of each verify route that a planted validation_cost gate compares with.
+    ``calibrate``: only the timing gates, with the calibration set (:func:`calibration`)."""
+    defects = calibration(policy) if calibrate else catalogue(policy)
+    kinds = TIMING_KINDS if calibrate else KINDS
     planted: list[Planted] = []
     for route in candidates:
-        if original_of(route.name) is not None or not any(k in KINDS for k in route.gates):
+        if original_of(route.name) is not None or not any(k in kinds for k in route.gates):
             continue
-        planted.append(Planted(planted_name(route.name, COPY), route, route, None))
+        copy = Planted(planted_name(route.name, COPY), route, route, None)
+        if calibrate:
+            copy = Planted(copy.name, route, route, None, only=TIMING_KINDS)
+        planted.append(copy)
         for defect in defects:
             if not defect.applies_to(route):
                 continue
@@ -194,8 +224,10 @@ def plan(candidates: Iterable[Route], registry: Any, policy: Any) -> list[Plante
 
 def pass_through_of(planted: Planted, registry: Any) -> str | None:
     """The name of the pass-through that ``planted``'s validation_cost gate compares it with,
-    or None when it has no such gate (or its family declares no verify route)."""
-    if planted.pass_through or "validation_cost" not in planted.gates:
+    or None when it has no such gate (or its family declares no verify route). The unchanged
+    copy has none: it runs the route's own code, so it is compared with the route's own verify
+    route, exactly as the route is."""
+    if planted.pass_through or planted.defect is None or "validation_cost" not in planted.gates:
         return None
     verify = registry.family_of(planted.original.family).verify_route
     return planted_name(verify, PASS_THROUGH) if verify is not None else None
@@ -206,6 +238,18 @@ def as_route(planted: Planted, registry: Any, policy: Any) -> Route:
     from pytest_dflash.selftest.wrappers import implementation_for
 
     original = planted.original
+    if planted.defect is None and not planted.pass_through:
+        # the unchanged copy is an A/A control: the very same implementation, nothing added to
+        # its calls; its route hits are the original's, booked as the copy's per gate test
+        return Route(
+            planted.name, original.family, "candidate", baseline=original.baseline
+            or registry.family_of(original.family).baseline, gates=planted.gates,
+            impl=original.impl, engine={family: planted.name if name == original.name else name
+                                        for family, name in original.engine.items()},
+            probe=original.probe,
+            switch=re.sub(r"\W", "_", f"DFLASH_SELFTEST_{planted.name}").upper(),
+            description=f"self-test of {original.name}: {planted.what}",
+            verify_route=original.verify_route, hit_source=original.name)
     if planted.pass_through:  # a comparator of the planted routes' gates, never judged itself
         return Route(planted.name, original.family, "baseline",
                      impl=implementation_for(planted, registry, policy), probe=original.probe,

@@ -30,7 +30,8 @@ class SelftestSession:
 
         Returns the planted route names. A selection by route or by ``ROUTE:KIND`` carries over
         to the planted routes of the selected routes (and only the selected kinds)."""
-        for planted in catalogue.plan(candidates, registry, self.policy):
+        calibrate = bool(self.config.getoption("dflash_selftest_calibrate", False))
+        for planted in catalogue.plan(candidates, registry, self.policy, calibrate=calibrate):
             registry.register(catalogue.as_route(planted, registry, self.policy))
             self.planted[planted.name] = planted
             original = planted.original.name

@@ -32,6 +32,7 @@ from pytest_dflash.selftest.catalogue import (
     COPY,
     SEPARATOR,
     TIMING_KINDS,
+    calibration,
     catalogue,
     original_of,
 )
@@ -96,7 +97,8 @@ def summarize(report: Mapping[str, Any]) -> dict[str, Any]:
     """The ``selftest`` section of ``report`` (empty routes when nothing was planted)."""
     routes = report.get("routes", {})
     policy = report.get("policy", {})
-    whats = {d.key: d.what for d in catalogue(SimpleNamespace(**{**Policy().as_dict(), **policy}))}
+    sized = SimpleNamespace(**{**Policy().as_dict(), **policy})
+    whats = {d.key: d.what for d in (*calibration(sized), *catalogue(sized))}
     out: dict[str, Any] = {}
     for name, entry in sorted(routes.items()):
         original = original_of(name)

@@ -1,0 +1,114 @@
+"""``pytest-dflash selftest --repeat K``: the timing gates' error rates, measured here.
+
+One self-test run shows whether each gate caught its planted defects once. Whether a timing gate
+can be trusted is a rate: how often its unchanged copy (an A/A control: the route's very own
+calls) passes, is inconclusive or fails, and how often planted slowdowns of 1%, 2%, 5% and 10%
+do. This runs the calibration self-test (``--dflash-selftest --dflash-selftest-calibrate``, the
+timing gates only) K times, each run its own pytest process with its own timing workers, and
+counts the outcomes per route, gate and planted route. The table is printed and written into
+the last run's report (``selftest_repeat``) and to a JSON file of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pytest_dflash.selftest.catalogue import COPY, SEPARATOR, original_of
+
+OUTCOMES = ("pass", "inconclusive", "fail", "error", "pending")
+
+
+def gate_result(gate: Mapping[str, Any] | None) -> str:
+    """One gate of one run as pass / inconclusive / fail / error / pending."""
+    if gate is None:
+        return "pending"
+    outcomes = [t["outcome"] for t in gate.get("tests", [])]
+    if "error" in outcomes:
+        return "error"
+    if "failed" in outcomes:
+        return "fail"
+    if "inconclusive" in outcomes:
+        return "inconclusive"
+    if outcomes and all(o == "passed" for o in outcomes):
+        return "pass"
+    return "pending"
+
+
+def tally(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Counts per original route, timing gate kind and planted key ("route" = the route
+    itself, "copy", "slow_2pct", ...) over the runs' reports."""
+    counts: dict[str, Any] = {}
+    for report in reports:
+        for name, entry in report.get("routes", {}).items():
+            original = original_of(name) or name
+            key = name.rpartition(SEPARATOR)[2] if original_of(name) else "route"
+            for kind in ("speed", "validation_cost"):
+                if kind not in entry.get("required", []):
+                    continue
+                cell = counts.setdefault(original, {}).setdefault(kind, {}).setdefault(
+                    key, dict.fromkeys(OUTCOMES, 0))
+                cell[gate_result(entry["gates"].get(kind))] += 1
+    return {"runs": len(reports), "routes": counts}
+
+
+def _order(key: str) -> tuple[int, float, str]:
+    if key == "route":
+        return 0, 0.0, key
+    if key == COPY:
+        return 1, 0.0, key
+    number = key.rsplit("_", 1)[-1].removesuffix("pct").replace("p", ".")
+    try:
+        return 2, float(number), key
+    except ValueError:
+        return 3, 0.0, key
+
+
+def render(section: Mapping[str, Any]) -> list[str]:
+    """One row per route, gate and planted route: pass / inconclusive / fail counts of K."""
+    runs = section["runs"]
+    header = f"{'route':<34} {'gate':<16} {'planted':<18} pass  inconcl  fail  other  (of {runs})"
+    lines = [header, "-" * len(header)]
+    for route, kinds in sorted(section["routes"].items()):
+        for kind, keys in sorted(kinds.items()):
+            for key in sorted(keys, key=_order):
+                c = keys[key]
+                other = c["error"] + c["pending"]
+                lines.append(f"{route:<34} {kind:<16} {key:<18} {c['pass']:>4}  "
+                             f"{c['inconclusive']:>7}  {c['fail']:>4}  {other:>5}")
+    return lines
+
+
+def run(repeat: int, report: Path, pytest_args: Sequence[str]) -> dict[str, Any]:
+    """Run the calibration self-test ``repeat`` times; tally, print and store the counts."""
+    from pytest_dflash import report as reports
+
+    if repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {repeat}")
+    paths = [report.with_name(f"{report.stem}.run{i}{report.suffix}") for i in range(repeat)]
+    for i, path in enumerate(paths):
+        command = [sys.executable, "-m", "pytest", "--pyargs", "dflash_suites", "-m",
+                   "sm70 and (speed or validation_cost)", "--dflash-selftest",
+                   "--dflash-selftest-calibrate", "-p", "no:cacheprovider", "-q",
+                   "--dflash-report", str(path), *pytest_args]
+        print(f"[{i + 1}/{repeat}] " + " ".join(command), flush=True)
+        code = subprocess.call(command)
+        if code > 1 or not path.exists():
+            raise RuntimeError(f"self-test run {i + 1} of {repeat} crashed or was misused "
+                               f"(pytest exit {code}); its report: {path}")
+    loaded = [reports.load(path) for path in paths]
+    section = tally(loaded)
+    section["reports"] = [str(p) for p in paths]
+    last = dict(loaded[-1])
+    last["selftest_repeat"] = section
+    reports.write_atomic(last, paths[-1])
+    out = report.with_name(f"{report.stem}.repeat.json")
+    out.write_text(json.dumps(section, indent=2) + "\n", encoding="utf-8")
+    for line in render(section):
+        print(line)
+    print(f"counts: {out} (and the selftest_repeat section of {paths[-1]})")
+    return section

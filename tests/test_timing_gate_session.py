@@ -1,0 +1,144 @@
+"""Timing gates through the real plugin (pytester): a gate timed in the run's worker processes,
+and an inconclusive gate that leaves its route pending (table, report, JUnit, strict)."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+CONFTEST = """
+from pytest_dflash import Route
+
+def pytest_dflash_routes(registry):
+    registry.register(Route("toy.spin.base", "toy.spin", "baseline", impl="toyjobs:BASE"))
+    registry.register(Route("toy.spin.slow", "toy.spin", "candidate", baseline="toy.spin.base",
+                            gates=("speed",), impl="toyjobs:SLOW"))
+"""
+
+TOYJOBS = """
+import time
+
+from pytest_dflash import hits
+from pytest_dflash.measure.workers import TimedPair
+
+
+class Spin:
+    def __init__(self, name, seconds):
+        self.name, self.seconds = name, seconds
+
+    def __call__(self):
+        hits.record(self.name, "spin")
+        end = time.perf_counter() + self.seconds
+        while time.perf_counter() < end:
+            pass
+
+
+BASE = Spin("toy.spin.base", 0.0004)
+SLOW = Spin("toy.spin.slow", 0.0008)
+
+
+def pair(ctx, *, route):
+    impl = ctx.implementation(route)
+    base = ctx.implementation(ctx.registry.get(route).baseline)
+    return TimedPair(impl, base)
+"""
+
+GATES = """
+import pytest
+
+from pytest_dflash import hits
+from pytest_dflash.measure.workers import TimingJob
+from pytest_dflash.timing import TimingInconclusive, speed_gate
+
+pytestmark = pytest.mark.sm70
+
+
+@pytest.mark.gate("speed", family="toy.spin")
+def test_speed(dflash_gate):
+    job = TimingJob("toyjobs:pair", {"route": dflash_gate.route.name})
+    try:
+        with hits.counting() as delta:
+            speed_gate(None, None, policy=dflash_gate.policy, device=dflash_gate.device,
+                       record=dflash_gate.record, label="spin", job=job)
+    finally:  # the delta is filled once the block has exited
+        dflash_gate.record(route_hits=delta.as_json())
+"""
+
+UNDECIDED = """
+import pytest
+
+from pytest_dflash.timing import TimingInconclusive
+
+pytestmark = pytest.mark.sm70
+
+
+@pytest.mark.gate("speed", family="toy.spin")
+def test_speed(dflash_gate):
+    dflash_gate.record(figure="ratio 0.992 [0.981, 1.003] over 18 processes x 24 rounds",
+                       decision="inconclusive", rule="gain", threshold=0.99, ci_low=0.981,
+                       ci_high=1.003)
+    raise TimingInconclusive("spin: inconclusive, route left pending: ratio 0.992 [0.981, "
+                             "1.003] straddles the margin")
+"""
+
+PYPROJECT = """
+[tool.pytest-dflash]
+timing_processes = 3
+timing_max_processes = 3
+timing_rounds_per_process = 8
+"""
+
+ROUTE = ["--dflash-route", "toy.spin.slow", "--dflash-device", "cpu", "-p", "no:cacheprovider"]
+
+
+@pytest.fixture
+def toy(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(toyjobs=TOYJOBS)
+    pytester.makefile(".toml", pyproject=PYPROJECT)
+    pytester.syspathinsert()
+    return pytester
+
+
+def _report(pytester: pytest.Pytester) -> dict:
+    return json.loads((pytester.path / "dflash-report.json").read_text())
+
+
+def test_a_gate_timed_in_worker_processes_decides_across_them(toy: pytest.Pytester) -> None:
+    toy.makepyfile(test_gates=GATES)
+    result = toy.runpytest_subprocess("-m", "sm70", *ROUTE)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*spin: slower, rejected on speed: ratio * over 3 processes x "
+                                 "8 rounds*"])
+    test = _report(toy)["routes"]["toy.spin.slow"]["gates"]["speed"]["tests"][0]
+    measured = test["measurements"]
+    assert (test["outcome"], measured["decision"], measured["unit"]) == ("failed", "fail",
+                                                                          "process")
+    pids = {p["pid"] for p in measured["processes"]}
+    assert len(pids) == 3 and all(len(p["orders"]) == 8 for p in measured["processes"])
+    assert 1.5 < measured["ratio_median"] < 4.0  # the planted 2x; preemption stretches spins
+    # the workers' route hits came back to the gate: 8 timed rounds of each process, per side
+    calls = sum(8 * p["info"]["calls_per_sample"] for p in measured["processes"])
+    assert measured["route_hits"] == {"toy.spin.base/spin": calls, "toy.spin.slow/spin": calls}
+
+
+def test_inconclusive_leaves_the_route_pending_and_strict_fails(toy: pytest.Pytester) -> None:
+    toy.makepyfile(test_gates=UNDECIDED)
+    junit = toy.path / "junit.xml"
+    result = toy.runpytest("-m", "sm70", f"--junitxml={junit}", *ROUTE)
+    assert result.ret == pytest.ExitCode.OK  # pending is not a failure without --dflash-strict
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["toy.spin.slow*inconcl*PENDING*",
+                                 "*speed pending: inconclusive timing (spin: inconclusive*"])
+    entry = _report(toy)["routes"]["toy.spin.slow"]
+    assert entry["verdict"] == "pending"
+    assert entry["gates"]["speed"]["tests"][0]["outcome"] == "inconclusive"
+    assert "slower" not in " ".join(entry["reasons"])
+    props = {p.get("name"): p.get("value") for p in ET.parse(junit).iter("property")}
+    assert props["dflash_decision"] == "inconclusive"
+    assert props["dflash_verdict.toy.spin.slow"] == "pending"
+    strict = toy.runpytest("-m", "sm70", "--dflash-strict", *ROUTE)
+    assert strict.ret == pytest.ExitCode.TESTS_FAILED
+    strict.stdout.fnmatch_lines(["*strict mode: selected candidates left pending: toy.spin.slow*"])
