@@ -110,12 +110,16 @@ def test_a_gate_timed_in_worker_processes_decides_across_them(toy: pytest.Pytest
     toy.makepyfile(test_gates=GATES)
     result = toy.runpytest_subprocess("-m", "sm70", *ROUTE)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*spin: slower, rejected on speed: ratio * over 3 processes x "
-                                 "8 rounds*"])
+    result.stdout.fnmatch_lines(
+        ["*spin: slower, rejected on speed: ratio * over 3 processes x 8 rounds*"]
+    )
     test = _report(toy)["routes"]["toy.spin.slow"]["gates"]["speed"]["tests"][0]
     measured = test["measurements"]
-    assert (test["outcome"], measured["decision"], measured["unit"]) == ("failed", "fail",
-                                                                          "process")
+    assert (test["outcome"], measured["decision"], measured["unit"]) == (
+        "failed",
+        "fail",
+        "process",
+    )
     pids = {p["pid"] for p in measured["processes"]}
     assert len(pids) == 3 and all(len(p["orders"]) == 8 for p in measured["processes"])
     assert 1.5 < measured["ratio_median"] < 4.0  # the planted 2x; preemption stretches spins
@@ -130,8 +134,12 @@ def test_inconclusive_leaves_the_route_pending_and_strict_fails(toy: pytest.Pyte
     result = toy.runpytest("-m", "sm70", f"--junitxml={junit}", *ROUTE)
     assert result.ret == pytest.ExitCode.OK  # pending is not a failure without --dflash-strict
     result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["toy.spin.slow*inconcl*PENDING*",
-                                 "*speed pending: inconclusive timing (spin: inconclusive*"])
+    result.stdout.fnmatch_lines(
+        [
+            "toy.spin.slow*inconcl*PENDING*",
+            "*speed pending: inconclusive timing (spin: inconclusive*",
+        ]
+    )
     entry = _report(toy)["routes"]["toy.spin.slow"]
     assert entry["verdict"] == "pending"
     assert entry["gates"]["speed"]["tests"][0]["outcome"] == "inconclusive"

@@ -41,9 +41,16 @@ def _simulated(rng: np.random.Generator, true_ratio: float, bias: float | None =
             b = rng.normal(0.0, BIAS) if bias is None else bias
             base = 1e-3 * rng.lognormal(0.0, NOISE, rounds)
             cand = base * true_ratio * np.exp(b) * rng.lognormal(0.0, NOISE, rounds)
-            out.append(ProcessSample(worker=made[0], pid=made[0], candidate_s=cand.tolist(),
-                                     baseline_s=base.tolist(), orders=["cb"] * rounds,
-                                     setup_s=0.5))
+            out.append(
+                ProcessSample(
+                    worker=made[0],
+                    pid=made[0],
+                    candidate_s=cand.tolist(),
+                    baseline_s=base.tolist(),
+                    orders=["cb"] * rounds,
+                    setup_s=0.5,
+                )
+            )
         return out
 
     return sample
@@ -52,15 +59,28 @@ def _simulated(rng: np.random.Generator, true_ratio: float, bias: float | None =
 def _decide_across(seed: int, true_ratio: float, rule: str = "no_regression"):
     rng = np.random.default_rng(seed)
     return process_compare(
-        _simulated(rng, true_ratio), processes=POLICY.timing_processes,
-        max_processes=POLICY.timing_max_processes, rounds=POLICY.timing_rounds_per_process,
-        confidence=POLICY.speed_confidence, rule=rule, threshold=threshold_for(rule, POLICY),
-        max_rounds=POLICY.timing_max_rounds_per_process)
+        _simulated(rng, true_ratio),
+        processes=POLICY.timing_processes,
+        max_processes=POLICY.timing_max_processes,
+        rounds=POLICY.timing_rounds_per_process,
+        confidence=POLICY.speed_confidence,
+        rule=rule,
+        threshold=threshold_for(rule, POLICY),
+        max_rounds=POLICY.timing_max_rounds_per_process,
+    )
 
 
-@pytest.mark.parametrize(("p", "df", "expected"), [
-    (0.975, 1, 12.706204736), (0.975, 5, 2.570581836), (0.975, 17, 2.109815578),
-    (0.995, 5, 4.032142984), (0.5, 9, 0.0), (0.025, 5, -2.570581836)])
+@pytest.mark.parametrize(
+    ("p", "df", "expected"),
+    [
+        (0.975, 1, 12.706204736),
+        (0.975, 5, 2.570581836),
+        (0.975, 17, 2.109815578),
+        (0.995, 5, 4.032142984),
+        (0.5, 9, 0.0),
+        (0.025, 5, -2.570581836),
+    ],
+)
 def test_t_quantile_matches_the_tables(p, df, expected):
     assert t_quantile(p, df) == pytest.approx(expected, abs=1e-7)
 
@@ -77,8 +97,9 @@ def test_interval_across_processes_is_the_t_interval_of_their_means():
     ratio, lo, hi = across_processes(stats, 0.95)
     mean, sd = np.mean(stats), np.std(stats, ddof=1)
     half = 2.570581836 * sd / np.sqrt(6)
-    assert (ratio, lo, hi) == pytest.approx((np.exp(mean), np.exp(mean - half),
-                                             np.exp(mean + half)), rel=1e-9)
+    assert (ratio, lo, hi) == pytest.approx(
+        (np.exp(mean), np.exp(mean - half), np.exp(mean + half)), rel=1e-9
+    )
     with pytest.raises(ValueError, match="at least 2 processes"):
         across_processes([0.01], 0.95)
 
@@ -90,9 +111,17 @@ def test_one_biased_process_rejects_identical_code_the_old_way_but_not_across_pr
     rng = np.random.default_rng(7)
     one = _simulated(rng, 1.0, bias=0.02)(1, 1536)[0]
     cand, base = iter(one.candidate_s), iter(one.baseline_s)  # one of each per round
-    old = paired_compare(lambda: next(cand), lambda: next(base), rounds=12, max_rounds=1536,
-                         confidence=0.95, resamples=2000, seed=1, rule="no_regression",
-                         threshold=threshold_for("no_regression", POLICY))
+    old = paired_compare(
+        lambda: next(cand),
+        lambda: next(base),
+        rounds=12,
+        max_rounds=1536,
+        confidence=0.95,
+        resamples=2000,
+        seed=1,
+        rule="no_regression",
+        threshold=threshold_for("no_regression", POLICY),
+    )
     assert old.decision == "fail" and old.ci_low > 1.01, old.figure()
     new = _decide_across(7, 1.0)
     assert new.decision != "fail", new.figure()
@@ -137,19 +166,23 @@ def test_variance_components_separate_bias_from_noise():
     assert parts["between"] == pytest.approx(BIAS**2, rel=0.5)
     # c_process = 0.5 s, c_round ~ 2 ms: K&J say sqrt(250 * within / between) rounds
     assert parts["optimal_rounds"] == pytest.approx(
-        np.sqrt(0.5 / parts["round_s"] * parts["within"] / parts["between"]))
+        np.sqrt(0.5 / parts["round_s"] * parts["within"] / parts["between"])
+    )
 
 
-@pytest.mark.parametrize(("rule", "lo", "hi", "decision", "words"), [
-    ("no_regression", 0.995, 1.008, "pass", "neutral"),
-    ("no_regression", 0.990, 0.998, "pass", "faster"),
-    ("no_regression", 1.011, 1.02, "fail", "slower"),
-    ("no_regression", 1.002, 1.015, "inconclusive", "inconclusive"),
-    ("gain", 0.95, 0.98, "pass", "faster"),
-    ("gain", 0.995, 1.004, "fail", "neutral"),
-    ("gain", 1.01, 1.03, "fail", "slower"),
-    ("gain", 0.98, 1.0, "inconclusive", "inconclusive"),
-])
+@pytest.mark.parametrize(
+    ("rule", "lo", "hi", "decision", "words"),
+    [
+        ("no_regression", 0.995, 1.008, "pass", "neutral"),
+        ("no_regression", 0.990, 0.998, "pass", "faster"),
+        ("no_regression", 1.011, 1.02, "fail", "slower"),
+        ("no_regression", 1.002, 1.015, "inconclusive", "inconclusive"),
+        ("gain", 0.95, 0.98, "pass", "faster"),
+        ("gain", 0.995, 1.004, "fail", "neutral"),
+        ("gain", 1.01, 1.03, "fail", "slower"),
+        ("gain", 0.98, 1.0, "inconclusive", "inconclusive"),
+    ],
+)
 def test_three_outcomes_against_the_margin(rule, lo, hi, decision, words):
     threshold = threshold_for(rule, POLICY)
     assert decide(rule, threshold, lo, hi) == decision
@@ -157,17 +190,19 @@ def test_three_outcomes_against_the_margin(rule, lo, hi, decision, words):
 
 
 def _test(outcome: str, message: str = "") -> dict:
-    return {"nodeid": f"t::{outcome}", "outcome": outcome, "message": message,
-            "measurements": {}}
+    return {"nodeid": f"t::{outcome}", "outcome": outcome, "message": message, "measurements": {}}
 
 
 def test_inconclusive_never_promotes_and_never_says_slower():
-    gates = {"parity": {"status": "passed", "tests": [_test("passed")]},
-             "validation_cost": {"status": gate_status([_test("passed"),
-                                                        _test("inconclusive", "verify M=3: "
-                                                              "inconclusive")]),
-                                 "tests": [_test("passed"),
-                                           _test("inconclusive", "verify M=3: inconclusive")]}}
+    gates = {
+        "parity": {"status": "passed", "tests": [_test("passed")]},
+        "validation_cost": {
+            "status": gate_status(
+                [_test("passed"), _test("inconclusive", "verify M=3: inconclusive")]
+            ),
+            "tests": [_test("passed"), _test("inconclusive", "verify M=3: inconclusive")],
+        },
+    }
     assert gates["validation_cost"]["status"] == "pending"
     verdict, reasons = route_verdict(["parity", "validation_cost"], gates)
     assert verdict == "pending"

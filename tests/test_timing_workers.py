@@ -67,10 +67,14 @@ def spec(tmp_path_factory: pytest.TempPathFactory) -> WorkerSpec:
     folder = tmp_path_factory.mktemp("timing_plugin")
     (folder / "conftest.py").write_text(PLUGIN)
     (folder / "timing_jobs_for_test.py").write_text(JOBS)
-    return WorkerSpec(device="cpu", threads=1, profile="quick",
-                      policy=Policy(cpu_sample_min_s=0.0).as_dict(),
-                      plugins=[shipped.__name__, str(folder / "conftest.py")],
-                      sys_path=[str(folder), *sys.path])
+    return WorkerSpec(
+        device="cpu",
+        threads=1,
+        profile="quick",
+        policy=Policy(cpu_sample_min_s=0.0).as_dict(),
+        plugins=[shipped.__name__, str(folder / "conftest.py")],
+        sys_path=[str(folder), *sys.path],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +83,7 @@ def pool(spec: WorkerSpec, tmp_path_factory: pytest.TempPathFactory):
     started under the CUDA_VISIBLE_DEVICES an xdist GPU worker would have set."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CUDA_VISIBLE_DEVICES", "")
-        shared = TimingPool(spec, size=2, timeout_s=120.0,
-                            log_dir=tmp_path_factory.mktemp("logs"))
+        shared = TimingPool(spec, size=2, timeout_s=120.0, log_dir=tmp_path_factory.mktemp("logs"))
         shared.ask({"op": "ping"}, "start")
     yield shared
     shared.close()
@@ -118,25 +121,34 @@ def test_a_job_is_timed_in_balanced_order_and_its_hits_come_back(pool):
 
 
 def test_a_builder_error_names_the_gate_and_the_log(pool):
-    with pytest.raises(TimingWorkerError, match=r"my gate: timing worker 0 .*failed: "
-                                                r"ValueError: the builder cannot") as info:
-        pool.sample(TimingJob("timing_jobs_for_test:broken"), 1, rounds=2, warmup=0, seed=1,
-                    label="my gate")
+    with pytest.raises(
+        TimingWorkerError,
+        match=r"my gate: timing worker 0 .*failed: "
+        r"ValueError: the builder cannot",
+    ) as info:
+        pool.sample(
+            TimingJob("timing_jobs_for_test:broken"), 1, rounds=2, warmup=0, seed=1, label="my gate"
+        )
     assert "timing-worker-0.log" in str(info.value)
 
 
 def test_a_crashed_worker_is_an_error_naming_the_gate_and_its_log(lone_worker):
     worker = lone_worker
-    with pytest.raises(TimingWorkerError, match="crash gate: timing worker 0 .* exited with "
-                                                "code 7 while timing; its log: ") as info:
+    with pytest.raises(
+        TimingWorkerError,
+        match="crash gate: timing worker 0 .* exited with code 7 while timing; its log: ",
+    ) as info:
         worker.request({"op": "crash", "code": 7}, "crash gate")
     assert Path(str(info.value).split("its log: ")[1].split()[0]).is_file()
 
 
 def test_a_hung_worker_is_killed_and_reported_not_waited_on(lone_worker):
     worker = lone_worker
-    with pytest.raises(TimingWorkerError, match=r"hang gate: timing worker 0 .* sent nothing "
-                                                r"for 3 s .* killed as hung; its log: "):
+    with pytest.raises(
+        TimingWorkerError,
+        match=r"hang gate: timing worker 0 .* sent nothing "
+        r"for 3 s .* killed as hung; its log: ",
+    ):
         worker.request({"op": "hang", "seconds": 600}, "hang gate")
     assert worker.proc.poll() is not None  # dead, not left behind
 

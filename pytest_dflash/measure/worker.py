@@ -34,8 +34,12 @@ class WorkerContext:
         self.profile: str = spec["profile"]
         self.policy = Policy(**spec["policy"])
         self.threads = int(spec["threads"])
-        self.registry = _rebuild_registry(spec["plugins"], spec.get("selftest_candidates"),
-                                          self.policy, bool(spec.get("selftest_calibrate")))
+        self.registry = _rebuild_registry(
+            spec["plugins"],
+            spec.get("selftest_candidates"),
+            self.policy,
+            bool(spec.get("selftest_calibrate")),
+        )
 
     def implementation(self, route: str) -> Any:
         """The implementation object of ``route``, as the gate's process resolves it."""
@@ -49,13 +53,21 @@ class WorkerContext:
         def no_engine(selection: dict[str, str]) -> Any:
             raise RuntimeError("timing workers build no engines through the gate context")
 
-        return GateContext(route=self.registry.get(route), kind=kind, registry=self.registry,
-                           policy=self.policy, profile=self.profile, device=self.device,
-                           record=lambda **_: None, engine=no_engine)
+        return GateContext(
+            route=self.registry.get(route),
+            kind=kind,
+            registry=self.registry,
+            policy=self.policy,
+            profile=self.profile,
+            device=self.device,
+            record=lambda **_: None,
+            engine=no_engine,
+        )
 
 
-def _rebuild_registry(plugins: list[str], selftest: list[str] | None, policy: Any,
-                      calibrate: bool = False) -> Any:
+def _rebuild_registry(
+    plugins: list[str], selftest: list[str] | None, policy: Any, calibrate: bool = False
+) -> Any:
     """The run's route registry, through the same hook and plugins as the pytest run."""
     import pluggy
 
@@ -119,8 +131,9 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
     builder = resolve(message["builder"])
     pair = builder(ctx, **message["kwargs"])
     if not isinstance(pair, TimedPair):
-        raise TypeError(f"builder {message['builder']} returned {type(pair).__name__}, "
-                        "expected a TimedPair")
+        raise TypeError(
+            f"builder {message['builder']} returned {type(pair).__name__}, expected a TimedPair"
+        )
     run_cand, run_base, info = pair_timers(pair, ctx.device, ctx.policy)
     for _ in range(int(message["warmup"])):
         run_cand()
@@ -141,8 +154,14 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
             if time.monotonic() - last > 2.0:
                 beat({"progress": len(cand)})
                 last = time.monotonic()
-    return {"candidate_s": cand, "baseline_s": base, "orders": orders, "setup_s": setup_s,
-            "info": info, "hits": [[r, op, n] for (r, op), n in delta.counts.items()]}
+    return {
+        "candidate_s": cand,
+        "baseline_s": base,
+        "orders": orders,
+        "setup_s": setup_s,
+        "info": info,
+        "hits": [[r, op, n] for (r, op), n in delta.counts.items()],
+    }
 
 
 def main() -> int:
@@ -163,7 +182,8 @@ def main() -> int:
             if op == "init":
                 spec = message["spec"]
                 sys.path[:] = [p for p in spec["sys_path"] if p] + [
-                    p for p in sys.path if p not in spec["sys_path"]]
+                    p for p in sys.path if p not in spec["sys_path"]
+                ]
                 import torch
 
                 torch.set_num_threads(int(spec["threads"]))
@@ -174,10 +194,16 @@ def main() -> int:
             if op == "ping":
                 import torch
 
-                send({"pid": os.getpid(), "cwd": str(Path.cwd()),
-                      "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                      "threads": torch.get_num_threads(), "device": str(ctx.device),
-                      "routes": sorted(r.name for r in ctx.registry)})
+                send(
+                    {
+                        "pid": os.getpid(),
+                        "cwd": str(Path.cwd()),
+                        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                        "threads": torch.get_num_threads(),
+                        "device": str(ctx.device),
+                        "routes": sorted(r.name for r in ctx.registry),
+                    }
+                )
             elif op == "time":
                 send(time_job(ctx, message, send))
             elif op == "crash":  # for the protocol's tests: an abrupt exit mid-request
@@ -188,8 +214,12 @@ def main() -> int:
                 raise ValueError(f"unknown request {op!r}")
         except Exception:  # noqa: BLE001 - every failure goes back to the gate, named
             traceback.print_exc()
-            send({"error": traceback.format_exc(limit=8).strip().splitlines()[-1],
-                  "traceback": traceback.format_exc()})
+            send(
+                {
+                    "error": traceback.format_exc(limit=8).strip().splitlines()[-1],
+                    "traceback": traceback.format_exc(),
+                }
+            )
     return 0
 
 

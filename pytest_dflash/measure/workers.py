@@ -62,13 +62,16 @@ class TimingJob:
     def __post_init__(self) -> None:
         module, sep, attr = self.builder.partition(":")
         if not sep or not module or not attr:
-            raise ValueError(f"timing job builder {self.builder!r} must look like "
-                             "'package.module:function'")
+            raise ValueError(
+                f"timing job builder {self.builder!r} must look like 'package.module:function'"
+            )
         try:
             json.dumps(self.kwargs)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"timing job {self.builder}: kwargs must be JSON values (they "
-                             f"travel to worker processes): {exc}") from None
+            raise ValueError(
+                f"timing job {self.builder}: kwargs must be JSON values (they "
+                f"travel to worker processes): {exc}"
+            ) from None
 
 
 @dataclass
@@ -96,10 +99,16 @@ class WorkerSpec:
     sys_path: list[str] = field(default_factory=lambda: list(sys.path))
 
     def as_json(self) -> dict[str, Any]:
-        return {"device": self.device, "threads": self.threads, "profile": self.profile,
-                "policy": self.policy, "plugins": list(self.plugins),
-                "selftest_candidates": self.selftest_candidates,
-                "selftest_calibrate": self.selftest_calibrate, "sys_path": list(self.sys_path)}
+        return {
+            "device": self.device,
+            "threads": self.threads,
+            "profile": self.profile,
+            "policy": self.policy,
+            "plugins": list(self.plugins),
+            "selftest_candidates": self.selftest_candidates,
+            "selftest_calibrate": self.selftest_calibrate,
+            "sys_path": list(self.sys_path),
+        }
 
 
 def plugin_references(hook_impls: Sequence[Any]) -> list[str]:
@@ -116,11 +125,16 @@ def plugin_references(hook_impls: Sequence[Any]) -> list[str]:
             raise TimingWorkerError(
                 f"routes registered by plugin object {plugin!r} cannot be rebuilt in a timing "
                 "worker process: implement pytest_dflash_routes in a module (a conftest.py or "
-                "an installed plugin module) instead")
+                "an installed plugin module) instead"
+            )
         file = getattr(plugin, "__file__", None)
         name = plugin.__name__
-        if file and (Path(file).name == "conftest.py" or name not in sys.modules
-                     or "/" in name or name.endswith("conftest")):
+        if file and (
+            Path(file).name == "conftest.py"
+            or name not in sys.modules
+            or "/" in name
+            or name.endswith("conftest")
+        ):
             refs.append(str(Path(file).resolve()))
         else:
             refs.append(name)
@@ -139,8 +153,13 @@ class _Worker:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pytest_dflash.measure.worker"],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
-                pass_fds=(write_fd,), start_new_session=True)
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                pass_fds=(write_fd,),
+                start_new_session=True,
+            )
         os.close(write_fd)
         self._reader = os.fdopen(read_fd, "rb", buffering=0)
         self._buffer = b""
@@ -167,7 +186,8 @@ class _Worker:
                 raise TimingWorkerError(
                     f"{label}: timing worker {self.index} (pid {self.pid}) sent nothing for "
                     f"{timeout_s:g} s (policy timing_worker_timeout_s) and was killed as "
-                    f"hung; its log: {self.log_path}")
+                    f"hung; its log: {self.log_path}"
+                )
             ready, _, _ = select.select([self._reader], [], [], min(left, 1.0))
             if not ready:
                 continue
@@ -176,14 +196,16 @@ class _Worker:
                 code = self.proc.wait(timeout=10)
                 raise TimingWorkerError(
                     f"{label}: timing worker {self.index} (pid {self.pid}) exited with code "
-                    f"{code} while timing; its log: {self.log_path}{_tail(self.log_path)}")
+                    f"{code} while timing; its log: {self.log_path}{_tail(self.log_path)}"
+                )
             self._buffer += chunk
             deadline = time.monotonic() + timeout_s  # any line is a sign of life
         line, _, self._buffer = self._buffer.partition(b"\n")
         return json.loads(line)
 
-    def request(self, message: dict[str, Any], label: str,
-                timeout_s: float | None = None) -> dict[str, Any]:
+    def request(
+        self, message: dict[str, Any], label: str, timeout_s: float | None = None
+    ) -> dict[str, Any]:
         """Send one request and wait for its answer (progress lines only keep it alive)."""
         self._send(message)
         while True:
@@ -193,7 +215,8 @@ class _Worker:
             if "error" in answer:
                 raise TimingWorkerError(
                     f"{label}: timing worker {self.index} (pid {self.pid}) failed: "
-                    f"{answer['error']}\nits log: {self.log_path}")
+                    f"{answer['error']}\nits log: {self.log_path}"
+                )
             return answer
 
     def close(self) -> None:
@@ -224,11 +247,19 @@ def _tail(path: Path, lines: int = 6) -> str:
 class TimingPool:
     """``size`` worker processes, started on first use and shared by every timing gate."""
 
-    def __init__(self, spec: WorkerSpec | Callable[[], WorkerSpec], *, size: int,
-                 timeout_s: float, log_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec | Callable[[], WorkerSpec],
+        *,
+        size: int,
+        timeout_s: float,
+        log_dir: Path | None = None,
+    ) -> None:
         if size < 2:
-            raise ValueError(f"a timing pool needs at least 2 workers (an interval across "
-                             f"processes needs two), got {size}")
+            raise ValueError(
+                f"a timing pool needs at least 2 workers (an interval across "
+                f"processes needs two), got {size}"
+            )
         # a callable is resolved at the first start: a run without timing gates imports no torch
         self._spec = spec
         self.size, self.timeout_s = size, timeout_s
@@ -272,8 +303,17 @@ class TimingPool:
         while len(self._workers) < (self.size if count is None else count):
             self._workers.append(self._start(label))
 
-    def sample(self, job: TimingJob, count: int, *, rounds: int, warmup: int, seed: int,
-               label: str, first: int = 0) -> list[ProcessSample]:
+    def sample(
+        self,
+        job: TimingJob,
+        count: int,
+        *,
+        rounds: int,
+        warmup: int,
+        seed: int,
+        label: str,
+        first: int = 0,
+    ) -> list[ProcessSample]:
         """``count`` ProcessSamples of ``job`` from workers ``first .. first + count - 1``,
         timed one worker at a time.
 
@@ -283,15 +323,30 @@ class TimingPool:
         """
         self._ensure(label, max(self.size, first + count))
         samples: list[ProcessSample] = []
-        for i, worker in enumerate(self._workers[first:first + count]):
-            answer = worker.request({"op": "time", "builder": job.builder,
-                                     "kwargs": job.kwargs, "rounds": rounds,
-                                     "warmup": warmup, "seed": [seed, first + i]}, label)
+        for i, worker in enumerate(self._workers[first : first + count]):
+            answer = worker.request(
+                {
+                    "op": "time",
+                    "builder": job.builder,
+                    "kwargs": job.kwargs,
+                    "rounds": rounds,
+                    "warmup": warmup,
+                    "seed": [seed, first + i],
+                },
+                label,
+            )
             _replay_hits(answer.get("hits", []))
-            samples.append(ProcessSample(
-                worker=worker.index, pid=worker.pid, candidate_s=answer["candidate_s"],
-                baseline_s=answer["baseline_s"], orders=answer["orders"],
-                setup_s=answer["setup_s"], info=answer.get("info", {})))
+            samples.append(
+                ProcessSample(
+                    worker=worker.index,
+                    pid=worker.pid,
+                    candidate_s=answer["candidate_s"],
+                    baseline_s=answer["baseline_s"],
+                    orders=answer["orders"],
+                    setup_s=answer["setup_s"],
+                    info=answer.get("info", {}),
+                )
+            )
         return samples
 
     def ask(self, message: dict[str, Any], label: str) -> list[dict[str, Any]]:

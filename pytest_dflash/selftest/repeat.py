@@ -50,8 +50,11 @@ def tally(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             for kind in ("speed", "validation_cost"):
                 if kind not in entry.get("required", []):
                     continue
-                cell = counts.setdefault(original, {}).setdefault(kind, {}).setdefault(
-                    key, dict.fromkeys(OUTCOMES, 0))
+                cell = (
+                    counts.setdefault(original, {})
+                    .setdefault(kind, {})
+                    .setdefault(key, dict.fromkeys(OUTCOMES, 0))
+                )
                 cell[gate_result(entry["gates"].get(kind))] += 1
     return {"runs": len(reports), "routes": counts}
 
@@ -78,8 +81,10 @@ def render(section: Mapping[str, Any]) -> list[str]:
             for key in sorted(keys, key=_order):
                 c = keys[key]
                 other = c["error"] + c["pending"]
-                lines.append(f"{route:<34} {kind:<16} {key:<18} {c['pass']:>4}  "
-                             f"{c['inconclusive']:>7}  {c['fail']:>4}  {other:>5}")
+                lines.append(
+                    f"{route:<34} {kind:<16} {key:<18} {c['pass']:>4}  "
+                    f"{c['inconclusive']:>7}  {c['fail']:>4}  {other:>5}"
+                )
     return lines
 
 
@@ -91,15 +96,30 @@ def run(repeat: int, report: Path, pytest_args: Sequence[str]) -> dict[str, Any]
         raise ValueError(f"--repeat must be at least 1, got {repeat}")
     paths = [report.with_name(f"{report.stem}.run{i}{report.suffix}") for i in range(repeat)]
     for i, path in enumerate(paths):
-        command = [sys.executable, "-m", "pytest", "--pyargs", "dflash_suites", "-m",
-                   "sm70 and (speed or validation_cost)", "--dflash-selftest",
-                   "--dflash-selftest-calibrate", "-p", "no:cacheprovider", "-q",
-                   "--dflash-report", str(path), *pytest_args]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--pyargs",
+            "dflash_suites",
+            "-m",
+            "sm70 and (speed or validation_cost)",
+            "--dflash-selftest",
+            "--dflash-selftest-calibrate",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "--dflash-report",
+            str(path),
+            *pytest_args,
+        ]
         print(f"[{i + 1}/{repeat}] " + " ".join(command), flush=True)
         code = subprocess.call(command)
         if code > 1 or not path.exists():
-            raise RuntimeError(f"self-test run {i + 1} of {repeat} crashed or was misused "
-                               f"(pytest exit {code}); its report: {path}")
+            raise RuntimeError(
+                f"self-test run {i + 1} of {repeat} crashed or was misused "
+                f"(pytest exit {code}); its report: {path}"
+            )
     loaded = [reports.load(path) for path in paths]
     section = tally(loaded)
     section["reports"] = [str(p) for p in paths]
