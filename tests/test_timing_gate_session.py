@@ -20,7 +20,7 @@ def pytest_dflash_routes(registry):
 TOYJOBS = """
 import time
 
-from pytest_dflash import hits
+from pytest_dflash.native import hits
 from pytest_dflash.measure.workers import TimedPair
 
 
@@ -48,9 +48,9 @@ def pair(ctx, *, route):
 GATES = """
 import pytest
 
-from pytest_dflash import hits
+from pytest_dflash.native import hits
 from pytest_dflash.measure.workers import TimingJob
-from pytest_dflash.timing import TimingInconclusive, speed_gate
+from pytest_dflash.measure.timing import TimingInconclusive, speed_gate
 
 pytestmark = pytest.mark.sm70
 
@@ -69,7 +69,7 @@ def test_speed(dflash_gate):
 UNDECIDED = """
 import pytest
 
-from pytest_dflash.timing import TimingInconclusive
+from pytest_dflash.measure.timing import TimingInconclusive
 
 pytestmark = pytest.mark.sm70
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pytest_dflash.policy import Policy
-from pytest_dflash.statistics import (
+from pytest_dflash.evidence.verdict import gate_status, route_verdict
+from pytest_dflash.measure.statistics import (
     ProcessSample,
     across_processes,
     decide,
@@ -23,7 +23,7 @@ from pytest_dflash.statistics import (
     threshold_for,
     variance_components,
 )
-from pytest_dflash.verdict import gate_status, route_verdict
+from pytest_dflash.session.policy import Policy
 
 POLICY = Policy()
 BIAS = 0.01  # sigma of the per-process log bias: 1%, well inside what the host path shows

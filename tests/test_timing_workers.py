@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dflash import hits
 from pytest_dflash.measure.workers import (
     TimingJob,
     TimingPool,
@@ -19,7 +18,8 @@ from pytest_dflash.measure.workers import (
     _Worker,
     plugin_references,
 )
-from pytest_dflash.policy import Policy
+from pytest_dflash.native import hits
+from pytest_dflash.session.policy import Policy
 
 OUTSIDE = "attn.d256.outside_probe"
 
@@ -35,7 +35,7 @@ def pytest_dflash_routes(registry):
 JOBS = f'''
 import time
 
-from pytest_dflash import hits
+from pytest_dflash.native import hits
 from pytest_dflash.measure.workers import TimedPair
 
 
@@ -62,7 +62,7 @@ def broken(ctx):
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory: pytest.TempPathFactory) -> WorkerSpec:
-    from pytest_dflash import shipped
+    from pytest_dflash.routes import shipped
 
     folder = tmp_path_factory.mktemp("timing_plugin")
     (folder / "conftest.py").write_text(PLUGIN)

@@ -1,1 +1,2 @@
-"""Measuring: timers, paired statistics, timing worker processes, numerics, progress."""
+"""Measurement: timing, statistics, timing worker processes, numerical parity, progress of
+long gates."""

@@ -28,7 +28,7 @@ class WorkerContext:
     def __init__(self, spec: dict[str, Any]) -> None:
         import torch
 
-        from pytest_dflash.policy import Policy
+        from pytest_dflash.session.policy import Policy
 
         self.device = torch.device(spec["device"])
         self.profile: str = spec["profile"]
@@ -48,7 +48,7 @@ class WorkerContext:
     def gate(self, route: str, kind: str) -> Any:
         """A ``GateContext`` of ``route`` and ``kind`` as the gate's test sees it (no engines:
         a job that needs one builds it itself; records are the parent's business)."""
-        from pytest_dflash.gate import GateContext
+        from pytest_dflash.session.gate import GateContext
 
         def no_engine(selection: dict[str, str]) -> Any:
             raise RuntimeError("timing workers build no engines through the gate context")
@@ -71,8 +71,8 @@ def _rebuild_registry(
     """The run's route registry, through the same hook and plugins as the pytest run."""
     import pluggy
 
-    from pytest_dflash import hookspec
-    from pytest_dflash.registry import RouteRegistry
+    from pytest_dflash.routes.registry import RouteRegistry
+    from pytest_dflash.session import hookspec
 
     class Manager(pluggy.PluginManager):
         # hookspec.py's functions are specs by their name, as pytest's manager reads them
@@ -123,9 +123,9 @@ def _balanced_orders(rounds: int, seed: list[int]) -> list[str]:
 
 def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str, Any]:
     """Build, warm up and time one job; the answer carries raw seconds and the timed hits."""
-    from pytest_dflash import hits
-    from pytest_dflash.registry import resolve
-    from pytest_dflash.timing import pair_timers
+    from pytest_dflash.measure.timing import pair_timers
+    from pytest_dflash.native import hits
+    from pytest_dflash.routes.registry import resolve
 
     start = time.perf_counter()
     builder = resolve(message["builder"])

@@ -42,7 +42,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from pytest_dflash.statistics import ProcessSample
+from pytest_dflash.measure.statistics import ProcessSample
 
 PROTOCOL_FD_ENV = "DFLASH_TIMING_PROTOCOL_FD"
 START_TIMEOUT_S = 300.0
@@ -362,7 +362,7 @@ class TimingPool:
 
 def _replay_hits(counts: Sequence[Sequence[Any]]) -> None:
     """Record the worker's route hits here, so the gate's hit checks see what ran there."""
-    from pytest_dflash import hits
+    from pytest_dflash.native import hits
 
     for route, op, n in counts:
         hits.record(route, op, int(n))

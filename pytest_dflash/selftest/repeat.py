@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_dflash.selftest.catalogue import COPY, SEPARATOR, original_of
+from pytest_dflash.evidence.catch import COPY
 
 OUTCOMES = ("pass", "inconclusive", "fail", "error", "pending")
 
@@ -45,8 +45,9 @@ def tally(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     counts: dict[str, Any] = {}
     for report in reports:
         for name, entry in report.get("routes", {}).items():
-            original = original_of(name) or name
-            key = name.rpartition(SEPARATOR)[2] if original_of(name) else "route"
+            planted = entry.get("planted")
+            original = planted["from"] if planted else name
+            key = planted["defect"] if planted else "route"
             for kind in ("speed", "validation_cost"):
                 if kind not in entry.get("required", []):
                     continue
@@ -90,7 +91,7 @@ def render(section: Mapping[str, Any]) -> list[str]:
 
 def run(repeat: int, report: Path, pytest_args: Sequence[str]) -> dict[str, Any]:
     """Run the calibration self-test ``repeat`` times; tally, print and store the counts."""
-    from pytest_dflash import report as reports
+    from pytest_dflash.evidence import report as reports
 
     if repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {repeat}")

@@ -1,0 +1,355 @@
+"""Timers and the speed gate (docs/gates.md, "speed", "validation_cost", "Timing protocol").
+
+Why this module exists: a speed claim is only evidence if both routes were timed the same way,
+interleaved, with the cache state each run would see in production, and if the interval covers
+the variation that a rerun would see. So every speed and validation-cost gate goes through
+:func:`speed_gate`. Given a :class:`~pytest_dflash.measure.workers.TimingJob`, it times the pair
+in the run's timing worker processes and decides on an interval across processes
+(``statistics.process_compare``): pass, fail, or inconclusive (the route stays pending). Without a
+job (a gate that can only build its calls in this process) it times rounds here
+(``statistics.paired_compare``) and decides the same three ways. Either way it
+
+* times ONE call per sample on CUDA: events around the call with the L2 cache flushed first (a
+  cold L2, as a prefill that streams its weights sees) and a single synchronize after, so no
+  host overhead or sync latency is counted. On the CPU (``perf_counter_ns``) a call shorter than
+  ``policy.cpu_sample_min_s`` is repeated back to back within a sample, the same number of
+  times on both sides (:func:`calls_per_sample`), so OS jitter does not swamp a sub-millisecond
+  call;
+* runs an untimed ``before_each`` (e.g. a prefix-cache reset) before every timed call;
+* warms both sides up, then hands the pair to
+:func:`pytest_dflash.measure.statistics.paired_compare`
+  with the predeclared policy values, records the figure, CI and raw samples, and fails the test
+  with a reviewer-readable message unless the rule passes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from pytest_dflash.measure import progress, workers
+from pytest_dflash.measure.statistics import (
+    PairedResult,
+    ProcessResult,
+    max_rounds_for,
+    paired_compare,
+    process_compare,
+    threshold_for,
+)
+from pytest_dflash.session.policy import Policy
+
+
+class TimingInconclusive(pytest.skip.Exception):  # type: ignore[name-defined,misc]
+    """A timing gate whose interval straddles the policy's margin at its cap.
+
+    It claims neither a pass nor a regression: the test is reported ``inconclusive`` (a kind
+    of skip, so it never counts as a pass), its gate and route stay pending, and
+    ``--dflash-strict`` fails the run as for any pending route.
+    """
+
+# Flush buffers are allocated once per device: allocating inside the timed loop would put
+# allocator work and its synchronisation next to every measurement.
+_L2_FLUSH: dict[int, torch.Tensor] = {}
+_L2_FALLBACK_BYTES = 128 * 1024 * 1024  # above every current L2 when the driver reports none
+
+
+def cpu_timer(fn: Callable[[], Any]) -> float:
+    """Seconds taken by one call of ``fn`` (``perf_counter_ns``: monotonic, integer ns)."""
+    start = time.perf_counter_ns()
+    fn()
+    return (time.perf_counter_ns() - start) / 1e9
+
+
+def l2_flush_buffer(device: torch.device | str) -> torch.Tensor:
+    """The cached int8 buffer of twice the device's L2 size that is overwritten before each call.
+
+    Writing twice the L2 capacity evicts whatever the previous call left cached, so every timed
+    call starts cold, and the candidate cannot profit from the baseline's warm cache (or vice
+    versa) through the interleaving order.
+    """
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index not in _L2_FLUSH:
+        l2 = getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or 0
+        nbytes = 2 * l2 if l2 > 0 else _L2_FALLBACK_BYTES
+        _L2_FLUSH[index] = torch.empty(nbytes, dtype=torch.int8, device=f"cuda:{index}")
+    return _L2_FLUSH[index]
+
+
+def cuda_timer(fn: Callable[[], Any], device: torch.device | str, *,
+               spin_cycles: int = 0) -> float:
+    """Seconds of GPU time for one call of ``fn`` on ``device``, measured with CUDA events.
+
+    The L2 flush is enqueued before the start event, so it is not timed; the host synchronizes
+    once, on the end event, after the call. ``spin_cycles`` > 0 adds a spin kernel of that many
+    GPU cycles after the flush, so the host enqueues ``fn`` while the GPU is still busy: the
+    figure is then the GPU's time alone, without the host's dispatch cost (for benchmarks that
+    report both; the gates time calls as the host makes them).
+    """
+    dev = torch.device(device)
+    flush = l2_flush_buffer(dev)
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        flush.fill_(1)
+        if spin_cycles > 0:
+            torch.cuda._sleep(spin_cycles)
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+    return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
+
+
+def synchronized(fn: Callable[[], Any], device: torch.device | str) -> Callable[[], Any]:
+    """``fn`` followed by a device synchronize on CUDA (unchanged on the CPU).
+
+    For wall-clock timers such as pytest-benchmark's: a CUDA call returns once its kernels are
+    queued, so timing it unsynchronised measures the launch, not the work.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return fn
+
+    def call() -> Any:
+        result = fn()
+        torch.cuda.synchronize(dev)
+        return result
+
+    return call
+
+
+def timer_for(device: torch.device | str) -> Callable[[Callable[[], Any]], float]:
+    """The timer that measures ``device`` honestly: CUDA events on CUDA, perf_counter on CPU."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return cpu_timer
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"cannot time on {dev}: torch {torch.__version__} sees no CUDA device; "
+                "run with --dflash-device cpu or on a CUDA machine"
+            )
+        return functools.partial(cuda_timer, device=dev)
+    raise ValueError(f"no timer for device type {dev.type!r}; supported: cpu, cuda")
+
+
+def calls_per_sample(baseline: Callable[[], Any], device: torch.device | str,
+                     min_seconds: float) -> int:
+    """How many back-to-back calls one sample holds: 1 on CUDA or when ``min_seconds`` is 0,
+    else enough calls of ``baseline`` (its fastest of 3 single calls) to last ``min_seconds``."""
+    if torch.device(device).type != "cpu" or min_seconds <= 0:
+        return 1
+    single = min(cpu_timer(baseline) for _ in range(3))
+    return max(1, min(10_000, math.ceil(min_seconds / max(single, 1e-9))))
+
+
+def _repeated(fn: Callable[[], Any], calls: int) -> Callable[[], Any]:
+    if calls == 1:
+        return fn
+
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+
+    return run
+
+
+def speed_gate(
+    candidate: Callable[[], Any] | None,
+    baseline: Callable[[], Any] | None,
+    *,
+    policy: Policy,
+    device: torch.device | str,
+    record: Callable[..., Any],
+    label: str,
+    before_each: Callable[[], Any] | None = None,
+    rule: str = "gain",
+    job: workers.TimingJob | None = None,
+) -> PairedResult | ProcessResult:
+    """Time ``candidate`` against ``baseline`` and pass, fail or leave the gate inconclusive.
+
+    ``rule="gain"``: the CI upper bound of candidate/baseline must be < 1 - policy.speed_min_gain.
+    ``rule="no_regression"``: it must be <= 1 + policy.validation_noise_floor. A CI wholly on the
+    other side fails (AssertionError); one that straddles the margin at the cap raises
+    :class:`TimingInconclusive`. With ``job`` and a timing pool installed, the pair is built and
+    timed in the worker processes (``candidate``/``baseline`` may then be None); otherwise in
+    this process, in a seeded random order per round. Measurements, raw samples included, are
+    passed to ``record`` before the verdict, so a failed gate still reports what it measured.
+    """
+    pool = workers.active()
+    if job is not None and pool is not None:
+        result: PairedResult | ProcessResult = _across_processes(
+            pool, job, policy=policy, label=label, rule=rule)
+        extra: dict[str, Any] = {"pool_workers": pool.size}
+    else:
+        if not callable(candidate) or not callable(baseline):
+            raise TypeError(f"{label}: candidate and baseline must be zero-argument callables")
+        result, extra = _in_process(candidate, baseline, policy=policy, device=device,
+                                    label=label, before_each=before_each, rule=rule)
+    record(
+        **result.measurements(),
+        **extra,
+        # a busy machine stalls threads for whole scheduler quanta: keep the load as evidence
+        loadavg=list(os.getloadavg()),
+        threads=torch.get_num_threads(),
+    )
+    decision = result.decision
+    if decision == "fail":
+        raise AssertionError(
+            f"{label}: {_verdict_words(result)}: {result.figure()}; {result.requirement()}"
+        )
+    if decision == "inconclusive":
+        raise TimingInconclusive(
+            f"{label}: inconclusive, route left pending: {result.figure()} straddles the "
+            f"margin ({result.requirement()}); it shows neither a pass nor a regression")
+    return result
+
+
+def _across_processes(pool: workers.TimingPool, job: workers.TimingJob, *, policy: Policy,
+                      label: str, rule: str) -> ProcessResult:
+    """The pool's first workers give the first look, each later look the next ones."""
+    threshold = threshold_for(rule, policy)
+    seed = policy.seed + zlib.crc32(label.encode())
+    used = [0]
+
+    def sample(count: int, rounds: int) -> list[Any]:
+        samples = pool.sample(job, count, rounds=rounds, warmup=policy.speed_warmup,
+                              seed=seed, label=label, first=used[0])
+        used[0] += count
+        return samples
+
+    with progress.gate(label, rule=rule, threshold=threshold,
+                       max_rounds=policy.timing_max_processes,
+                       confidence=policy.speed_confidence):
+        return process_compare(
+            sample, processes=policy.timing_processes,
+            max_processes=policy.timing_max_processes,
+            rounds=policy.timing_rounds_per_process, confidence=policy.speed_confidence,
+            rule=rule, threshold=threshold, max_rounds=policy.timing_max_rounds_per_process)
+
+
+def _in_process(candidate: Callable[[], Any], baseline: Callable[[], Any], *, policy: Policy,
+                device: torch.device | str, label: str, before_each: Callable[[], Any] | None,
+                rule: str) -> tuple[PairedResult, dict[str, Any]]:
+    if before_each is not None and not callable(before_each):
+        raise TypeError(f"{label}: before_each must be a zero-argument callable or None")
+    timer = timer_for(device)
+    threshold = threshold_for(rule, policy)
+    calls = 1 if before_each is not None else calls_per_sample(baseline, device,
+                                                               policy.cpu_sample_min_s)
+
+    def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+        sample = _repeated(fn, calls)
+
+        def run() -> float:
+            if before_each is not None:
+                before_each()
+            return timer(sample) / calls
+
+        return run
+
+    max_rounds = max_rounds_for(rule, policy)
+    with progress.gate(label, rule=rule, threshold=threshold, max_rounds=max_rounds,
+                       confidence=policy.speed_confidence) as on_round:
+        result = paired_compare(
+            timed(candidate),
+            timed(baseline),
+            rounds=policy.speed_rounds,
+            max_rounds=max_rounds,
+            confidence=policy.speed_confidence,
+            resamples=policy.bootstrap_resamples,
+            seed=policy.seed + zlib.crc32(label.encode()),
+            rule=rule,
+            threshold=threshold,
+            warmup=policy.speed_warmup,
+            on_round=on_round,
+        )
+    return result, {"calls_per_sample": calls}
+
+
+def pair_timers(pair: workers.TimedPair, device: torch.device,
+                policy: Policy) -> tuple[Callable[[], float], Callable[[], float], dict[str, Any]]:
+    """Zero-argument timers of a worker's pair, and how they time (for the report).
+
+    CUDA with ``pair.graph``: both calls are captured once in CUDA graphs and each timed
+    replay is one graph launch between events (the L2 flushed before), as a deployment runs its
+    M <= 8 verification steps; the eager time of each side is measured beside it. A call that
+    cannot be captured is timed eagerly and ``info["graph"]`` says why. CPU: calls shorter than
+    ``policy.cpu_sample_min_s`` are repeated within a sample, the same count on both sides.
+    """
+    dev = torch.device(device)
+    before = pair.before_each
+    info: dict[str, Any] = {"graph": None}
+    cand, base = pair.candidate, pair.baseline
+    if dev.type == "cuda" and pair.graph and before is None:
+        captured, why = _capture_pair(cand, base, dev)
+        if captured is not None:
+            eager = (cand, base)
+            cand, base = captured
+            timer = timer_for(dev)
+            info["graph"] = "captured"
+            info["eager_s"] = {"candidate": min(timer(eager[0]) for _ in range(5)),
+                               "baseline": min(timer(eager[1]) for _ in range(5))}
+        else:
+            info["graph"] = f"not captured, timed eagerly: {why}"
+    timer = timer_for(dev)
+    calls = 1 if before is not None else calls_per_sample(base, dev, policy.cpu_sample_min_s)
+    info["calls_per_sample"] = calls
+
+    def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+        sample = _repeated(fn, calls)
+
+        def run() -> float:
+            if before is not None:
+                before()
+            return timer(sample) / calls
+
+        return run
+
+    return timed(cand), timed(base), info
+
+
+def _capture_pair(candidate: Callable[[], Any], baseline: Callable[[], Any],
+                  device: torch.device) -> tuple[tuple[Callable[[], Any], Callable[[], Any]] | None,
+                                                 str]:
+    """Both calls captured in CUDA graphs (warmed up on a side stream first), or the reason."""
+    graphs = []
+    try:
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for fn in (candidate, baseline):
+                    for _ in range(3):
+                        fn()
+            torch.cuda.current_stream().wait_stream(side)
+            for fn in (candidate, baseline):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                graphs.append(graph)
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - any capture failure means: time it eagerly
+        torch.cuda.synchronize(device)
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return (graphs[0].replay, graphs[1].replay), ""
+
+
+def _verdict_words(result: PairedResult | ProcessResult) -> str:
+    """How a pull request would phrase the failure ("neutral, not selected")."""
+    if result.rule == "gain":
+        return {
+            "slower": "slower, rejected on speed",
+            "neutral": "neutral, not selected",
+        }[result.outcome]
+    return "slower, regression beyond the noise floor"
