@@ -103,7 +103,7 @@ def test_the_copy_is_the_route_itself_with_its_hits_booked_per_test(registry):
     run no extra code; its hits are the original's, booked as the copy's while the gate test's
     ``hits.attributed`` block is open (outside the timed calls)."""
     q, k, v = _qkv()
-    copy = catalogue.as_route(_planted(registry, "attn.d256.fa2", "copy"), registry, Policy())
+    copy = wrappers.as_route(_planted(registry, "attn.d256.fa2", "copy"), registry, Policy())
     original = registry.get("attn.d256.fa2")
     assert copy.impl == original.impl and copy.hit_source == "attn.d256.fa2"
     assert copy.verify_route == original.verify_route

@@ -463,22 +463,26 @@ def _betainc(a: float, b: float, x: float) -> float:
 
 
 def process_statistic(ratios: Sequence[float] | np.ndarray) -> float:
-    """One process's statistic: the mean of its per-round log ratios (candidate / baseline).
+    """One process's statistic: the median of its per-round log ratios (candidate / baseline).
 
-    The mean of logs, not the median: the across-process t interval assumes a roughly normal
-    statistic, which a mean of a few dozen rounds is, and logs make a 2% slowdown and a 2%
-    speed-up symmetric.
+    The median, not the mean: a round that a preemption or a stray cache miss stretched on one
+    side is an outlier of that round, not a property of the process, and on a GPU a few such
+    rounds per process otherwise widen the interval across processes by more than the margin
+    (on an H200, graph replays of identical code with a median of 26 us on both sides gave one
+    process a mean ratio of 1.06 from a few stretched rounds).
+    The statistics of different processes are still independent draws, so the t interval
+    across them holds; logs make a 2% slowdown and a 2% speed-up symmetric.
     """
     data = _finite_1d(ratios, "ratios")
     if data.size < 1 or (data <= 0).any():
         raise ValueError("a process statistic needs at least one positive ratio")
-    return float(np.mean(np.log(data)))
+    return float(np.median(np.log(data)))
 
 
 def across_processes(statistics: Sequence[float], confidence: float) -> tuple[float, float, float]:
     """(ratio, low, high): the geometric-mean ratio over processes and its t interval.
 
-    ``statistics`` holds one mean log ratio per process; the interval is
+    ``statistics`` holds one log-ratio statistic per process; the interval is
     ``exp(mean +- t_{n-1} * sd / sqrt(n))``, two-sided at ``confidence``.
     """
     data = _finite_1d(statistics, "statistics")

@@ -186,6 +186,7 @@ def speed_gate(
     this process, in a seeded random order per round. Measurements, raw samples included, are
     passed to ``record`` before the verdict, so a failed gate still reports what it measured.
     """
+    load_before = list(os.getloadavg())
     pool = workers.active()
     if job is not None and pool is not None:
         result: PairedResult | ProcessResult = _across_processes(
@@ -200,7 +201,8 @@ def speed_gate(
         **result.measurements(),
         **extra,
         # a busy machine stalls threads for whole scheduler quanta: keep the load as evidence
-        loadavg=list(os.getloadavg()),
+        loadavg_before=load_before,
+        loadavg_after=list(os.getloadavg()),
         threads=torch.get_num_threads(),
     )
     decision = result.decision
