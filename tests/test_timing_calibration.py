@@ -1,0 +1,71 @@
+"""``pytest-dflash selftest --repeat K``'s counting, and ``Route.hit_source``'s contract."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_dflash.routes.registry import RegistryError, Route, RouteRegistry
+from pytest_dflash.selftest import repeat
+
+
+def _route(tests: list[str], planted: dict | None = None) -> dict:
+    entry = {
+        "required": ["validation_cost"],
+        "gates": {
+            "validation_cost": {
+                "status": "pending",
+                "tests": [{"nodeid": f"t{i}", "outcome": o} for i, o in enumerate(tests)],
+            }
+        },
+    }
+    if planted is not None:
+        entry["planted"] = planted
+    return entry
+
+
+def _report(route: list[str], copy: list[str], slow: list[str]) -> dict:
+    return {
+        "routes": {
+            "g.f.r": _route(route),
+            "g.f.r~copy": _route(copy, {"from": "g.f.r", "defect": "copy"}),
+            "g.f.r~verify_cost_5pct": _route(slow, {"from": "g.f.r", "defect": "verify_cost_5pct"}),
+        }
+    }
+
+
+def test_repeat_counts_pass_inconclusive_fail_per_planted_route():
+    reports = [
+        _report(["passed"], ["passed"], ["failed"]),
+        _report(["passed", "inconclusive"], ["inconclusive"], ["failed"]),
+        _report(["passed"], ["passed", "skipped"], ["error"]),
+    ]
+    section = repeat.tally(reports)
+    counts = section["routes"]["g.f.r"]["validation_cost"]
+    assert section["runs"] == 3
+    assert counts["route"] == {"pass": 2, "inconclusive": 1, "fail": 0, "error": 0, "pending": 0}
+    assert counts["copy"] == {"pass": 1, "inconclusive": 1, "fail": 0, "error": 0, "pending": 1}
+    assert counts["verify_cost_5pct"]["fail"] == 2 and counts["verify_cost_5pct"]["error"] == 1
+    lines = repeat.render(section)
+    assert lines[2].split()[2] == "route" and lines[3].split()[2] == "copy"  # route, copy, rungs
+    assert lines[3].split()[3:7] == ["1", "1", "0", "1"]
+
+
+def test_hit_source_must_be_a_route_of_the_same_family():
+    registry = RouteRegistry()
+    registry.register(Route("a.b.base", "a.b", "baseline", impl="m:x"))
+    registry.register(
+        Route(
+            "a.b.copy",
+            "a.b",
+            "candidate",
+            baseline="a.b.base",
+            gates=("speed",),
+            impl="m:x",
+            hit_source="a.b.missing",
+        )
+    )
+    with pytest.raises(
+        RegistryError,
+        match="hit_source 'a.b.missing', which is not a registered route of family 'a.b'",
+    ):
+        registry.validate()
