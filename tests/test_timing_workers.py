@@ -73,6 +73,8 @@ def spec(tmp_path_factory: pytest.TempPathFactory) -> WorkerSpec:
         profile="quick",
         policy=Policy(cpu_sample_min_s=0.0).as_dict(),
         plugins=[shipped.__name__, str(folder / "conftest.py")],
+        selftest_candidates=["gemm.nvfp4.qpn2_packed"],
+        selftest_calibrate=True,
         sys_path=[str(folder), *sys.path],
     )
 
@@ -107,6 +109,10 @@ def test_workers_inherit_the_gate_environment(pool):
         assert answer["threads"] == 1
         assert answer["device"] == "cpu"
         assert OUTSIDE in answer["routes"] and "gemm.nvfp4.qpn2" in answer["routes"]
+        # the self-test's calibration routes, planted as the gate's process plants them
+        planted = {"gemm.nvfp4.qpn2_packed~copy", "gemm.nvfp4.qpn2_packed~verify_cost_5pct",
+                   "gemm.nvfp4.qpn2~passthrough"}
+        assert planted <= set(answer["routes"])
 
 
 def test_a_job_is_timed_in_balanced_order_and_its_hits_come_back(pool):

@@ -103,11 +103,11 @@ def _rebuild_registry(
     manager.hook.pytest_dflash_routes(registry=registry)
     registry.validate()
     if selftest:
-        from pytest_dflash.selftest import catalogue
+        from pytest_dflash.selftest import catalogue, wrappers
 
         originals = [registry.get(name) for name in selftest]
         for planted in catalogue.plan(originals, registry, policy, calibrate=calibrate):
-            registry.register(catalogue.as_route(planted, registry, policy))
+            registry.register(wrappers.as_route(planted, registry, policy))
     return registry
 
 
