@@ -4,8 +4,9 @@ Every catalogue defect must be caught by the gate it was planted for (an expecte
 the run still exits 0), every unchanged copy must be accepted, and a deliberately powerless
 speed gate (two rounds) must be reported as unable to resolve the policy's min gain. The routes
 are chosen so each gate kind's defects are planted once and the whole file stays within a few
-minutes on a 2-core machine: planted timing defects are at least the policy's size and judged
-by fail-closed gates, so "caught" never depends on this machine's noise.
+minutes on a 2-core machine: planted timing defects are at least the policy's size, and a timing
+gate never passes one: it fails it, or leaves it inconclusive where this machine's noise is too
+large to decide (docs/gates.md, "Timing protocol").
 """
 
 from __future__ import annotations
@@ -91,10 +92,14 @@ def test_validation_cost_defects_are_caught(pytester: pytest.Pytester) -> None:
 
 
 def test_a_two_round_speed_gate_cannot_resolve_the_policy_gain(pytester: pytest.Pytester) -> None:
-    pytester.makepyprojecttoml("[tool.pytest-dflash]\nspeed_rounds = 2\nspeed_max_rounds = 2\n")
+    pytester.makepyprojecttoml(
+        "[tool.pytest-dflash]\nspeed_rounds = 2\nspeed_max_rounds = 2\ntiming_processes = 2\n"
+        "timing_max_processes = 2\ntiming_rounds_per_process = 2\n"
+        "timing_max_rounds_per_process = 2\n")
     result, report = _run(pytester, "-m", "sm70",
                           "--dflash-gate", "gemm.nvfp4.qpn4_bounded:speed")
     gate = report["selftest"]["routes"]["gemm.nvfp4.qpn4_bounded"]["speed"]
-    assert gate["caught"] == gate["planted"] == 3, "a sound gate fails closed"
+    # a powerless gate never passes a planted slowdown: it fails it or leaves it inconclusive
+    assert gate["planted"] == 3 and not gate["missed"] and not gate["errors"]
     assert gate["resolution"] is None and gate["resolves_policy"] is False
     result.stdout.fnmatch_lines(["*speed*none resolved (cannot resolve the policy's 1% here)*"])
