@@ -110,8 +110,11 @@ def test_workers_inherit_the_gate_environment(pool):
         assert answer["device"] == "cpu"
         assert OUTSIDE in answer["routes"] and "gemm.nvfp4.qpn2" in answer["routes"]
         # the self-test's calibration routes, planted as the gate's process plants them
-        planted = {"gemm.nvfp4.qpn2_packed~copy", "gemm.nvfp4.qpn2_packed~verify_cost_5pct",
-                   "gemm.nvfp4.qpn2~passthrough"}
+        planted = {
+            "gemm.nvfp4.qpn2_packed~copy",
+            "gemm.nvfp4.qpn2_packed~verify_cost_5pct",
+            "gemm.nvfp4.qpn2~passthrough",
+        }
         assert planted <= set(answer["routes"])
 
 
