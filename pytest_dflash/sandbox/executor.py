@@ -65,7 +65,6 @@ from pathlib import Path
 from typing import Literal
 
 from pytest_dflash.sandbox import seccomp
-from pytest_dflash.settings import ALLOW_UNJAILED_ENV
 
 Status = Literal["passed", "failed", "timeout", "killed", "error"]
 
@@ -74,6 +73,8 @@ SETUP_FAILED = 120
 #: exit status the bootstrap uses when the program raised SystemExit (even with code 0)
 PROGRAM_EXITED = 121
 
+#: environment variable that opts in to running generated code without a file-system jail
+ALLOW_UNJAILED_ENV = "DFLASH_ALLOW_UNJAILED"
 _UNPRIVILEGED_FALLBACK_UID = 65534
 #: the working directory inside the jail (on the private, size-capped /tmp)
 JAIL_WORKDIR = "/tmp/work"
