@@ -38,7 +38,7 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """The ``--dflash-*`` options and their ini keys (README "Running the gates")."""
+    """The ``--dflash-*`` options and their ini keys (README "Options")."""
     group = parser.getgroup("dflash", "pytest-dflash: gate candidate kernel routes")
     group.addoption("--dflash-device", choices=("auto", "cpu", "cuda"), default=None,
                     help="device the gates run on (default: ini dflash_device, else auto)")
