@@ -15,7 +15,7 @@ A result file holds::
      "kind": "measured" | "not kept",        # "not kept": columns approach / figure / why not kept
      "topic": "QPN kernels", "title": "...", "about": "what the figures are, in a sentence or two",
      "machine": "...", "python": "...", "torch": "...", "cuda": "13.0" | null,
-     "commit": "9ca6d11" | ["...", ...], "date": "2026-12-02", "command": "...",
+     "commit": "<short hash>" | ["...", ...], "date": "2026-12-02", "command": "...",
      "values": {"columns": ["...", ...], "rows": [["...", ...], ...]}}
 """
 
@@ -56,7 +56,8 @@ class ResultFileError(ValueError):
 
 def _fail(path: Path, problem: str) -> ResultFileError:
     return ResultFileError(
-        f"{path.name}: {problem} (fix the file; the fields are listed in benchmarks/render.py)")
+        f"{path.name}: {problem} (fix the file; the fields are listed in benchmarks/render.py)"
+    )
 
 
 def _check(path: Path, data: Any) -> dict[str, Any]:
@@ -74,8 +75,11 @@ def _check(path: Path, data: Any) -> dict[str, Any]:
         raise _fail(path, "'cuda' must be a string, or null where no GPU was used")
     commit = data.get("commit")
     commits = [commit] if isinstance(commit, str) else commit
-    if (not isinstance(commits, list) or not commits
-            or not all(isinstance(c, str) and c.strip() for c in commits)):
+    if (
+        not isinstance(commits, list)
+        or not commits
+        or not all(isinstance(c, str) and c.strip() for c in commits)
+    ):
         raise _fail(path, "'commit' must be a commit id or a non-empty list of them")
     values = data.get("values")
     if not isinstance(values, dict):
@@ -89,7 +93,9 @@ def _check(path: Path, data: Any) -> dict[str, Any]:
         raise _fail(path, "'values.rows' must be a non-empty list of rows")
     for number, row in enumerate(rows, 1):
         if not isinstance(row, list) or len(row) != len(columns):
-            raise _fail(path, f"row {number} must be a list of {len(columns)} cells, one per column")
+            raise _fail(
+                path, f"row {number} must be a list of {len(columns)} cells, one per column"
+            )
         if not all(isinstance(cell, str | int | float) for cell in row):
             raise _fail(path, f"row {number}: every cell must be a string or a number")
     return data
@@ -115,8 +121,7 @@ def _cell(value: str | int | float) -> str:
 
 
 def _table(columns: list[str], rows: list[list[Any]]) -> list[str]:
-    lines = ["| " + " | ".join(_cell(c) for c in columns) + " |",
-             "|" + "---|" * len(columns)]
+    lines = ["| " + " | ".join(_cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return lines
 
@@ -126,13 +131,17 @@ def _section(data: dict[str, Any]) -> list[str]:
     commits = ", ".join(f"`{c}`" for c in ([commit] if isinstance(commit, str) else commit))
     cuda = data["cuda"] or "none (CPU)"
     return [
-        f"### {data['title']}", "",
-        data["about"], "",
+        f"### {data['title']}",
+        "",
+        data["about"],
+        "",
         f"- machine: {data['machine']}",
         f"- Python {data['python']}; torch {data['torch']}; CUDA {cuda}",
         f"- commit: {commits}; date: {data['date']}",
-        f"- command: `{data['command']}`", "",
-        *_table(data["values"]["columns"], data["values"]["rows"]), "",
+        f"- command: `{data['command']}`",
+        "",
+        *_table(data["values"]["columns"], data["values"]["rows"]),
+        "",
     ]
 
 
@@ -155,8 +164,11 @@ def render(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 if docs/benchmarks.md differs from what the files render")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 if docs/benchmarks.md differs from what the files render",
+    )
     parser.add_argument("--results", type=Path, default=RESULTS, help="the result files' folder")
     parser.add_argument("--page", type=Path, default=PAGE, help="the page to write or check")
     args = parser.parse_args(argv)
@@ -168,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.page.read_text(encoding="utf-8") if args.page.exists() else ""
         if current != page:
-            print(f"render: {args.page} is stale: run `python benchmarks/render.py`",
-                  file=sys.stderr)
+            print(
+                f"render: {args.page} is stale: run `python benchmarks/render.py`", file=sys.stderr
+            )
             return 1
         return 0
     args.page.write_text(page, encoding="utf-8")
