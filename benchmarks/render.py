@@ -17,6 +17,10 @@ A result file holds::
      "machine": "...", "python": "...", "torch": "...", "cuda": "13.0" | null,
      "commit": "<short hash>" | ["...", ...], "date": "2026-12-02", "command": "...",
      "values": {"columns": ["...", ...], "rows": [["...", ...], ...]}}
+
+``values`` is a table (``columns`` and ``rows``) or, for a script that writes its figures as a
+nested record, any other JSON object: that is rendered as one row per leaf, its path and value.
+A "not kept" file is always a table.
 """
 
 from __future__ import annotations
@@ -82,8 +86,12 @@ def _check(path: Path, data: Any) -> dict[str, Any]:
     ):
         raise _fail(path, "'commit' must be a commit id or a non-empty list of them")
     values = data.get("values")
-    if not isinstance(values, dict):
-        raise _fail(path, "'values' must be an object with 'columns' and 'rows'")
+    if not isinstance(values, dict) or not values:
+        raise _fail(path, "'values' must be a non-empty object: a table or a record")
+    if "columns" not in values and "rows" not in values:
+        if data["kind"] == "not kept":
+            raise _fail(path, f"a 'not kept' file holds a table: columns {NOT_KEPT_COLUMNS}")
+        return data  # a record: rendered leaf by leaf
     columns, rows = values.get("columns"), values.get("rows")
     if not isinstance(columns, list) or not columns or not all(isinstance(c, str) for c in columns):
         raise _fail(path, "'values.columns' must be a non-empty list of strings")
@@ -116,8 +124,38 @@ def load(results: Path = RESULTS) -> list[dict[str, Any]]:
     return loaded
 
 
-def _cell(value: str | int | float) -> str:
-    return str(value).replace("|", "\\|").replace("\n", " ")
+def _text(value: Any) -> str:
+    """A cell's text: floats to 6 significant digits (the file keeps every digit)."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return ", ".join(_text(v) for v in value)
+    return str(value)
+
+
+def _cell(value: Any) -> str:
+    return _text(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _leaves(value: Any, path: str = "") -> list[list[str]]:
+    """(path, value) rows of a nested record; a list of scalars stays one value."""
+    if isinstance(value, dict):
+        return [
+            row
+            for key, item in value.items()
+            for row in _leaves(item, f"{path}.{key}" if path else str(key))
+        ]
+    if isinstance(value, list) and any(isinstance(v, dict | list) for v in value):
+        return [row for i, item in enumerate(value) for row in _leaves(item, f"{path}[{i}]")]
+    return [[path, _text(value)]]
+
+
+def _values(values: dict[str, Any]) -> list[str]:
+    if "columns" in values:
+        return _table(values["columns"], values["rows"])
+    return _table(["field", "value"], _leaves(values))
 
 
 def _table(columns: list[str], rows: list[list[Any]]) -> list[str]:
@@ -140,7 +178,7 @@ def _section(data: dict[str, Any]) -> list[str]:
         f"- commit: {commits}; date: {data['date']}",
         f"- command: `{data['command']}`",
         "",
-        *_table(data["values"]["columns"], data["values"]["rows"]),
+        *_values(data["values"]),
         "",
     ]
 

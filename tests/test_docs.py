@@ -359,3 +359,22 @@ def test_the_cli_reference_lists_every_command(capsys: pytest.CaptureFixture[str
     page = (ROOT / "docs" / "reference" / "cli.md").read_text(encoding="utf-8")
     missing = [c for c in commands.group(1).split(",") if f"`pytest-dflash {c}" not in page]
     assert not missing, f"docs/reference/cli.md does not list: {missing}"
+
+
+def test_render_shows_a_nested_record_leaf_by_leaf() -> None:
+    """A script may write its figures as a record; every leaf becomes a row with its path."""
+    render = _render_module()
+    data = json.loads((ROOT / "benchmarks" / "results" / "cpu-main-job.json").read_text())
+    data["values"] = {
+        "routes": {"a": {"kl": 1.015019937861166e-12, "equal": True}},
+        "bands": [{"delta": 0.0}, {"delta": 0.25}],
+        "lengths": [512, 1024],
+    }
+    page = render.render([data])
+    for row in (
+        "| routes.a.kl | 1.01502e-12 |",
+        "| routes.a.equal | true |",
+        "| bands[1].delta | 0.25 |",
+        "| lengths | 512, 1024 |",
+    ):
+        assert row in page, row
