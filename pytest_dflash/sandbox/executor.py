@@ -368,8 +368,8 @@ def _jail_view() -> list[tuple[str, str, str]]:
     binds = _interpreter_files()
     shown = [Path(name) for op, name, _ in view if op == "bind"] + binds
     hidden = _hidden(binds, shown)
-    # Parents of the binds outside the system directories (e.g. /root/.pyenv/...) are created
-    # traversable and empty: bwrap would copy the host's mode (0700 for /root).
+    # Parents of the binds outside the system directories (e.g. a pyenv under a home directory)
+    # are created traversable and empty: bwrap would copy the host's mode (0700 for /root).
     system = [Path(name) for name in _SYSTEM_DIRS]
     parents = sorted({parent for path in binds for parent in path.parents
                       if parent != Path("/") and not any(s == parent or s in parent.parents
