@@ -11,6 +11,10 @@ For each geometry route (shipped candidates and the planted seam defects of
   and the largest KL(candidate || baseline) at the positions after every seam and on the verify
   rows decoded on top of the prefill (the agreement test).
 
+With ``--positions`` only the baseline's perplexity by position (buckets 0-511, 512-1023, ...,
+doubling) over the profile's first long context: how the model, trained on 512-token
+sequences, predicts far beyond that.
+
 With ``--spread`` also the spread that the agreement bound derives from: KL(fp32 engine ||
 fp64 reference) and KL(fp16-compute engine || fp64 reference) at the same positions, where the
 fp64 reference runs the oracle attention and GEMM routes, an fp64 SSM state and fp64 arithmetic.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -102,6 +107,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--spread", action="store_true")
     parser.add_argument("--skip-long", action="store_true")
+    parser.add_argument("--positions", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     policy, size, reg = Policy(), sizes(args.profile), registry()
@@ -117,6 +123,8 @@ def main() -> None:
         )
 
     base = build(reference.ReferenceEngine, BASELINE)
+    if args.positions:
+        return write(args, positions_by_bucket(base, args.profile, size.ppl_long_tokens))
     engines = {label: build(cls, geo) for label, (cls, geo) in ROUTES.items()}
     chunks = {label: e.chunk for label, e in engines.items()}
     values: dict[str, Any] = {
@@ -210,6 +218,51 @@ def main() -> None:
             entry["max_band_delta"] = max(abs(b["delta"]) for rows_ in out.values() for b in rows_)
             print(label, "max band delta", entry["max_band_delta"], flush=True)
     values["seconds"] = round(time.perf_counter() - t0, 1)
+    write(args, values)
+
+
+def positions_by_bucket(base: Any, profile: str, tokens: int) -> dict[str, Any]:
+    """The baseline's perplexity per doubling position bucket of the first long context."""
+    import math
+
+    t0 = time.perf_counter()
+    context = long_contexts(profile, base.encode, tokens)[0]
+    logprobs = base.score(context["ids"])
+    buckets, lo = [], 0
+    while lo < len(logprobs):
+        hi = min(len(logprobs), 512 if lo == 0 else 2 * lo)
+        part = logprobs[lo:hi]
+        buckets.append({"positions": [lo, hi], "ppl": round(math.exp(-sum(part) / len(part)), 4)})
+        lo = hi
+    print(json.dumps(buckets), flush=True)
+    return {
+        "profile": profile,
+        "baseline": BASELINE,
+        "chunk": base.chunk,
+        "context": context["id"],
+        "tokens": len(context["ids"]),
+        "trained_sequence_tokens": 512,
+        "ppl_by_position": buckets,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def machine(device: str) -> str:
+    """CPU model and core count (and the GPU's name on CUDA), for the result file."""
+    model = platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    text = f"{os.cpu_count()}-core {model}"
+    if device.startswith("cuda"):
+        text += f", {torch.cuda.get_device_name(torch.device(device))}"
+    return text
+
+
+def write(args: argparse.Namespace, values: dict[str, Any]) -> None:
     if args.out:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
@@ -219,7 +272,8 @@ def main() -> None:
             "kind": "measured",
             "topic": "seam gates",
             "title": f"Seam figures of the prefill.geometry routes ({args.profile})",
-            "machine": platform.machine() + " " + platform.processor(),
+            "machine": machine(args.device),
+            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
             "python": sys.version.split()[0],
             "torch": torch.__version__,
             "cuda": torch.version.cuda if args.device.startswith("cuda") else None,

@@ -60,15 +60,15 @@ class Policy:
     # speed (prefill.geometry), agreement after each cold prefill pair: the greedy next token
     # must equal the baseline's, and KL(candidate || baseline) of the next-token distributions
     # at the agreement_rows positions after every seam and on agreement_rows verify rows decoded
-    # on the prefill must stay under the bound of the engine's compute dtype. Each bound is 4x
-    # the largest KL(engine || fp64 reference) measured at those positions (ci prompts, CPU):
-    # 1.08e-12 for fp32 compute, 3.27e-7 for fp16 compute (benchmarks/results/
-    # cpu-seam-figures.json), rounded up: two routes each within the reference's own rounding
-    # spread of the exact result differ by up to twice it in logits, four times in KL
+    # on the prefill must stay <= agreement_kl_bound. Measured at those positions (ci prompts,
+    # CPU; benchmarks/results/cpu-seam-figures.json), KL(engine || fp64 reference) was at most
+    # 1.08e-12 computing in fp32 and 3.27e-7 computing in fp16 as the SM70 deployment does. The
+    # bound is 4x the fp16 figure, rounded up (two routes each within that rounding of the exact
+    # result differ by up to twice it in logits, four times in KL): a route may move the
+    # predictions no more than the deployment's own arithmetic does. It is over 1e6 times the
+    # fp32 engine's spread, so a KL over it is never rounding noise of the reference.
     agreement_rows: int = 8
-    agreement_kl_bound: dict[str, float] = field(
-        default_factory=lambda: {"float32": 5e-12, "float16": 2e-6}
-    )
+    agreement_kl_bound: float = 2e-6
     # quality: paired McNemar exact test on discordant tasks, plus output-contract margins
     quality_alpha: float = 0.05
     quality_contract_margin: int = 0
@@ -97,16 +97,6 @@ class Policy:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    def kl_bound(self, dtype: Any) -> float:
-        """The agreement KL bound of an engine computing in ``dtype``; an engine computing in
-        a dtype the policy has no bound for is an error naming the fix."""
-        key = _dtype_key(dtype)
-        if key not in self.agreement_kl_bound:
-            raise PolicyError(f"agreement_kl_bound has no bound for an engine computing in "
-                              f"{key}; add [tool.pytest-dflash.agreement_kl_bound] {key} = ... "
-                              f"(known: {', '.join(self.agreement_kl_bound)})")
-        return float(self.agreement_kl_bound[key])
 
     def rel_l2(self, dtype: str) -> float:
         return self.parity_rel_l2[_dtype_key(dtype)]
