@@ -108,12 +108,27 @@ def main() -> None:
     parser.add_argument("--spread", action="store_true")
     parser.add_argument("--skip-long", action="store_true")
     parser.add_argument("--positions", action="store_true")
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs="*",
+        help="prompt lengths (default: the profile's prefill_lengths)",
+    )
+    parser.add_argument(
+        "--compute",
+        choices=("float32", "float16"),
+        default=None,
+        help="compute dtype of every engine (default: the device's)",
+    )
+    parser.add_argument("--routes", nargs="*", help="labels of ROUTES to measure (default all)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     policy, size, reg = Policy(), sizes(args.profile), registry()
     torch.manual_seed(0)
 
     def build(cls: type, geometry: str, **kw: Any) -> Any:
+        if args.compute and "compute_dtype" not in kw:
+            kw["compute_dtype"] = getattr(torch, args.compute)
         return cls(
             {**reg.engine_selection(), GEOMETRY: geometry, **kw.pop("sel", {})},
             args.profile,
@@ -125,7 +140,11 @@ def main() -> None:
     base = build(reference.ReferenceEngine, BASELINE)
     if args.positions:
         return write(args, positions_by_bucket(base, args.profile, size.ppl_long_tokens))
-    engines = {label: build(cls, geo) for label, (cls, geo) in ROUTES.items()}
+    engines = {
+        label: build(cls, geo)
+        for label, (cls, geo) in ROUTES.items()
+        if not args.routes or label in args.routes
+    }
     chunks = {label: e.chunk for label, e in engines.items()}
     values: dict[str, Any] = {
         "profile": args.profile,
@@ -133,13 +152,14 @@ def main() -> None:
         "baseline": BASELINE,
         "chunks": chunks,
         "baseline_chunk": base.chunk,
+        "compute": str(base.dtype).removeprefix("torch."),
         "routes": {},
     }
     t0 = time.perf_counter()
     # ------------------------------------------------------------------ agreement
     rows = policy.agreement_rows
     prompts = {}
-    for length in size.prefill_lengths:
+    for length in args.lengths or size.prefill_lengths:
         full = prompt_ids(length + rows, base.encode)
         ids, cont = full[:length], full[length:]
         positions = agreement_positions(length, [base.chunk, *set(chunks.values())], rows)

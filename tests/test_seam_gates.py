@@ -7,11 +7,13 @@ at a chunk seam, with the real reference engine, while a correct route passes bo
 | prefill.geometry.fp32_q6592 (shipped) | nothing | passes both |
 | seam_zeroed | SSM and conv state zeroed at every seam | ppl long contexts, agreement |
 | bf16_q7920 | SSM state carried in bf16 | agreement |
-| fp8_q7920 | SSM state carried in fp8 (e4m3) | ppl long contexts, agreement |
+| fp8_q7920 | SSM state carried in fp8 (e4m3) | agreement |
 | last_kv_dropped | the last prefill chunk's paged KV zeroed | agreement (verify rows) |
 
-The defects are ``pytest_dflash.selftest.seams``; the gates are the shipped suites, selected
-with ``-k`` so that no timing test runs (a unit test never asserts a timing outcome).
+The defects are ``pytest_dflash.selftest.seams``; the gates are the shipped suites. The
+agreement check runs inside the cold-prefill speed test, before its timing; only the agreement
+is asserted here (a unit test never asserts a timing outcome), and two timing rounds keep the
+correct route's test short.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ EXPECTED = {
     "prefill.geometry.fp32_q6592": {"long_contexts": "passed", "agreement": "passed"},
     "prefill.geometry.seam_zeroed": {"long_contexts": "failed", "agreement": "failed"},
     "prefill.geometry.bf16_q7920": {"agreement": "failed"},
-    "prefill.geometry.fp8_q7920": {"long_contexts": "failed", "agreement": "failed"},
+    "prefill.geometry.fp8_q7920": {"agreement": "failed"},
     "prefill.geometry.last_kv_dropped": {"long_contexts": "passed", "agreement": "failed"},
 }
 NODE = {"long_contexts": "test_ppl_long_contexts", "agreement": "test_speed_cold_prefill"}
