@@ -39,16 +39,16 @@ from pytest_dflash.engines import reference
 from pytest_dflash.engines.data import long_contexts, prompt_ids
 from pytest_dflash.engines.geometry import REFERENCE_FP64
 from pytest_dflash.metrics.seams import agreement_positions, band_perplexities, bands
-from pytest_dflash.policy import Policy
-from pytest_dflash.profiles import sizes
-from pytest_dflash.registry import Route, RouteRegistry
+from pytest_dflash.routes.registry import Route, RouteRegistry
+from pytest_dflash.routes.shipped import SHIPPED_FAMILIES, SHIPPED_ROUTES
 from pytest_dflash.selftest.seams import (
     BF16_Q7920,
     FP8_Q7920,
     LastChunkKVDropped,
     StateZeroedAtSeams,
 )
-from pytest_dflash.shipped import SHIPPED_FAMILIES, SHIPPED_ROUTES
+from pytest_dflash.session.policy import Policy
+from pytest_dflash.session.profiles import sizes
 
 GEOMETRY = "prefill.geometry"
 BASELINE = f"{GEOMETRY}.fp32_q3296"

@@ -80,9 +80,9 @@ def test_prefill_logits_continue_like_prefill_and_the_fp64_reference_is_within_t
 
     from pytest_dflash.engines import reference
     from pytest_dflash.engines.data import prompt_ids
-    from pytest_dflash.policy import Policy
-    from pytest_dflash.registry import Route, RouteRegistry
-    from pytest_dflash.shipped import pytest_dflash_routes
+    from pytest_dflash.routes.registry import Route, RouteRegistry
+    from pytest_dflash.routes.shipped import pytest_dflash_routes
+    from pytest_dflash.session.policy import Policy
 
     registry = RouteRegistry()
     pytest_dflash_routes(registry)
@@ -131,7 +131,7 @@ PLUGIN = """
 import torch
 
 from pytest_dflash import Route
-from pytest_dflash.engine_setup import factory_of
+from pytest_dflash.engines.setup import factory_of
 from pytest_dflash.engines.geometry import Geometry
 from pytest_dflash.selftest import seams
 
