@@ -22,8 +22,8 @@ import pytest
 
 pytestmark = pytest.mark.sm70
 
-# The baseline engine's log-probs of each long context, kept for the session: every geometry
-# candidate is compared with the same baseline engine on the same contexts, and a deterministic
+# The baseline engine's log-probs of each segment and long context, kept for the session: every
+# geometry candidate is compared with the same baseline engine on the same text, and a deterministic
 # engine (the speed gate checks bitwise-equal repeats) scores them the same every time.
 _BASELINE_SCORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -40,10 +40,11 @@ def baseline_score(engine, ids: list[int]) -> list[float]:
     return cache[key]
 
 
-def score_segments(engine, segments: list[dict]) -> dict:
+def score_segments(engine, segments: list[dict], baseline: bool = False) -> dict:
     """Per-token log-probs of each segment, prefixed with the engine's own BOS (the engine
     protocol's ``encode(text, add_special_tokens=True)``), through the perplexity metric; plus
-    per-segment byte-level perplexities exp(NLL / UTF-8 bytes), comparable across tokenizers."""
+    per-segment byte-level perplexities exp(NLL / UTF-8 bytes), comparable across tokenizers.
+    The ``baseline`` engine's scores are kept for the session (:func:`baseline_score`)."""
     import math
 
     from pytest_dflash.metrics import load_metric
@@ -51,7 +52,7 @@ def score_segments(engine, segments: list[dict]) -> dict:
     logprobs, num_bytes = [], []
     for row in segments:
         ids = engine.encode(row["text"], add_special_tokens=True)
-        logprobs.append(engine.score(ids))
+        logprobs.append(baseline_score(engine, ids) if baseline else engine.score(ids))
         num_bytes.append(len(row["text"].encode("utf-8")))
     result = load_metric("perplexity").compute(logprobs=logprobs, num_bytes=num_bytes)
     result["byte_perplexities"] = [math.exp(-math.fsum(lp) / n)
@@ -74,7 +75,7 @@ def test_ppl_heldout_segments(dflash_gate):
     route, policy = dflash_gate.route, dflash_gate.policy
     segments = ppl_segments(dflash_gate.profile, dflash_gate.data_dir)
     baseline, candidate = dflash_gate.engines()
-    base = score_segments(baseline, segments)
+    base = score_segments(baseline, segments, baseline=True)
     cand = score_segments(candidate, segments)
     dflash_gate.record_engines(baseline, candidate)
     worst, delta = worst_delta(base["perplexities"], cand["perplexities"])
