@@ -58,11 +58,14 @@ SERVER_CAPABILITIES = Capabilities(
     first_token_hash=False,
     verify_logits=False,
     route_hits=False,
+    position_logits=False,
     reasons={
         "first_token_hash": "an OpenAI-compatible server returns top-k log-probs, not the full "
                             "logits a bitwise first-token hash needs",
         "verify_logits": "an OpenAI-compatible server has no verify step of M <= 8 draft rows "
                          "on a cached prefix",
+        "position_logits": "an OpenAI-compatible server returns top-k prompt log-probs, not the "
+                           "full next-token distributions the agreement check compares",
         "route_hits": "route hits are counted in the server's process; its proof is the enable "
                       "switches it was started with (and its own counters where it has them)",
     },
