@@ -48,7 +48,7 @@ def test_ppl_heldout_segments(dflash_gate):
 
     route, policy = dflash_gate.route, dflash_gate.policy
     segments = ppl_segments(dflash_gate.profile, dflash_gate.data_dir)
-    baseline, candidate = dflash_gate.engines()
+    baseline, candidate = dflash_gate.require("prompt_logprobs")
     base = score_segments(baseline, segments)
     cand = score_segments(candidate, segments)
     dflash_gate.record_engines(baseline, candidate)
