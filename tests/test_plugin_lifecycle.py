@@ -13,7 +13,6 @@ import pytest
 
 CONFTEST = """
 from pytest_dflash import Route
-
 def pytest_dflash_routes(registry):
     registry.register(Route("toy.add.base", "toy.add", "baseline", impl="toyimpl:base"))
     registry.register(Route("toy.add.fast", "toy.add", "candidate", baseline="toy.add.base",

@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 
-from pytest_dflash import hits
-from pytest_dflash.policy import Policy
-from pytest_dflash.registry import RouteRegistry
+from pytest_dflash.native import hits
+from pytest_dflash.routes.registry import RouteRegistry
+from pytest_dflash.routes.shipped import SHIPPED_ROUTES
 from pytest_dflash.selftest import catalogue, summary
 from pytest_dflash.selftest.catalogue import Planted, plan
-from pytest_dflash.shipped import SHIPPED_ROUTES
+from pytest_dflash.session.policy import Policy
 
 
 @pytest.fixture
@@ -188,7 +188,7 @@ def test_verify_path_defect_sends_verify_widths_to_the_baseline_path(registry):
 @pytest.fixture
 def declared() -> RouteRegistry:
     """The shipped routes with their family declarations (gemm.nvfp4's verify route)."""
-    from pytest_dflash.shipped import pytest_dflash_routes
+    from pytest_dflash.routes.shipped import pytest_dflash_routes
 
     reg = RouteRegistry()
     pytest_dflash_routes(reg)
@@ -204,7 +204,7 @@ def _install(registry: RouteRegistry, route: str = "gemm.nvfp4.qpn2_packed") -> 
 
 
 def _gate(registry: RouteRegistry, name: str):
-    from pytest_dflash.gate import GateContext
+    from pytest_dflash.session.gate import GateContext
 
     return GateContext(route=registry.get(name), kind="validation_cost", registry=registry,
                        policy=Policy(), profile="quick", device=torch.device("cpu"),
@@ -322,7 +322,7 @@ def test_ppl_shift_raises_each_segment_perplexity_by_twice_the_tolerance(registr
 
 
 def test_every_fourth_completion_degenerates(registry, inner_engine):
-    from pytest_dflash.quality import check_output_contract
+    from pytest_dflash.metrics.quality import check_output_contract
 
     eng = _engine(registry, inner_engine, "degenerate")
     gens = [eng.generate("def f(x):\n", 1, ["\n\n"]) for _ in range(5)]
@@ -358,7 +358,7 @@ def _report(gates_by_route, policy=None):
 
 
 def summary_status(tests):
-    from pytest_dflash.verdict import gate_status
+    from pytest_dflash.evidence.verdict import gate_status
 
     return gate_status(tests)
 

@@ -45,7 +45,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_dflash.registry import Route
+from pytest_dflash.routes.registry import Route
 
 SEPARATOR = "~"
 COPY = "copy"
@@ -80,7 +80,8 @@ def _pct(fraction: float) -> str:
 
 
 def catalogue(policy: Any) -> tuple[Defect, ...]:
-    """Every defect of the catalogue, sized from ``policy`` (a ``pytest_dflash.policy.Policy``)."""
+    """Every defect of the catalogue, sized from ``policy`` (a
+    ``pytest_dflash.session.policy.Policy``)."""
     ops = frozenset({ATTN, GEMM})
     speed = frozenset({ATTN, GEMM, GEOMETRY})
     defects = [

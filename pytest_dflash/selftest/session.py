@@ -65,7 +65,7 @@ class SelftestSession:
 
 def start(config: pytest.Config, state: Any) -> SelftestSession:
     """Plant the self-test routes of the session's selected candidates and register the
-    self-test's hooks (``state`` is the session's ``pytest_dflash.session.DflashState``)."""
+    self-test's hooks (``state`` is the session's ``pytest_dflash.session.state.DflashState``)."""
     selftest = SelftestSession(config, state.policy)
     selftest.install(state.registry, state.candidates(), state.selected_routes,
                      state.selected_gates)

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from pytest_dflash.policy import Policy
+from pytest_dflash.evidence.verdict import gate_figure, gate_status
 from pytest_dflash.selftest.catalogue import (
     COPY,
     SEPARATOR,
@@ -35,7 +35,7 @@ from pytest_dflash.selftest.catalogue import (
     catalogue,
     original_of,
 )
-from pytest_dflash.verdict import gate_figure, gate_status
+from pytest_dflash.session.policy import Policy
 
 CAUGHT, MISSED, ERROR, PENDING = "caught", "missed", "error", "pending"
 

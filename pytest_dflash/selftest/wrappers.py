@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pytest_dflash import hits
+from pytest_dflash.native import hits
 from pytest_dflash.selftest.catalogue import (
     ATTN,
     GEMM,
