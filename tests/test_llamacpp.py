@@ -32,8 +32,8 @@ from dflash_fixtures.convert_gguf import ConversionError, convert  # noqa: E402
 from pytest_dflash.engines import EngineUnsupported, Sampling, missing  # noqa: E402
 from pytest_dflash.engines import llamacpp as lc  # noqa: E402
 from pytest_dflash.engines.openai_server import ServerPool, group_members  # noqa: E402
-from pytest_dflash.registry import RouteRegistry  # noqa: E402
-from pytest_dflash.shipped import pytest_dflash_routes as shipped_routes  # noqa: E402
+from pytest_dflash.routes.registry import RouteRegistry  # noqa: E402
+from pytest_dflash.routes.shipped import pytest_dflash_routes as shipped_routes  # noqa: E402
 
 TEXTS = [
     'def scale(xs, k):\n    """Multiply every item by k."""\n    return [x * k for x in xs]\n',

@@ -21,7 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pytest_dflash.registry import Route
+from pytest_dflash.routes.registry import Route
 
 FAMILY = "prefill.geometry"
 BASELINE = f"{FAMILY}.fp32_q3296"  # the family's baseline: a server started with no switch
