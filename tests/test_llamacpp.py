@@ -21,10 +21,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 pytest.importorskip("httpx")
-pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install "
-                    "'pytest-dflash[llamacpp]' (compiles llama.cpp)")
-pytest.importorskip("llama_cpp.server.app", reason="llama_cpp.server needs the [server] extra "
-                    "of llama-cpp-python")
+pytest.importorskip(
+    "llama_cpp",
+    reason="llama-cpp-python is not installed: pip install "
+    "'pytest-dflash[llamacpp]' (compiles llama.cpp)",
+)
+pytest.importorskip(
+    "llama_cpp.server.app", reason="llama_cpp.server needs the [server] extra of llama-cpp-python"
+)
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
@@ -62,18 +66,36 @@ def hf_dir(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<s>", "</s>", "<pad>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        texts,
+        trainer=trainers.BpeTrainer(
+            vocab_size=512,
+            special_tokens=["<s>", "</s>", "<pad>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, tie_word_embeddings=True,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=2, rms_norm_eps=1e-5)
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        rms_norm_eps=1e-5,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # larger weights than the init, so logits are far from uniform
         for p in model.parameters():
@@ -94,8 +116,7 @@ def llama(gguf_path):
     """llama.cpp in process, with every position's logits (the server's defaults)."""
     from llama_cpp import Llama
 
-    return Llama(model_path=str(gguf_path), n_ctx=1024, logits_all=True, verbose=False,
-                 n_threads=2)
+    return Llama(model_path=str(gguf_path), n_ctx=1024, logits_all=True, verbose=False, n_threads=2)
 
 
 def llama_logprobs(llama, ids: list[int]) -> list[float]:
@@ -111,13 +132,18 @@ def llama_logprobs(llama, ids: list[int]) -> list[float]:
 
 @pytest.fixture(scope="module")
 def pool(gguf_path, tmp_path_factory):
-    pool = ServerPool(registry(), command=lc.serve_command(gguf_path, n_ctx=1024),
-                      startup_timeout_s=120, request_timeout_s=120,
-                      log_dir=tmp_path_factory.mktemp("server-logs"))
+    pool = ServerPool(
+        registry(),
+        command=lc.serve_command(gguf_path, n_ctx=1024),
+        startup_timeout_s=120,
+        request_timeout_s=120,
+        log_dir=tmp_path_factory.mktemp("server-logs"),
+    )
     yield pool
     pool.close()
-    assert all(not group_members(entry["pid"]) for entry in pool.history), \
+    assert all(not group_members(entry["pid"]) for entry in pool.history), (
         "a llama.cpp server outlived its pool"
+    )
 
 
 def test_gguf_tokenizes_and_scores_as_transformers(hf_dir, llama):
@@ -181,8 +207,9 @@ def test_encode_score_generate_and_prefill_match_llama_cpp_in_process(pool, hf_d
         assert max(abs(g - w) for g, w in zip(got, want, strict=True)) < 1e-4, (got, want)
     gen = engine.generate(TEXTS[0], 24, stop=["\n\n"], sampling=Sampling())
     llama.reset()
-    local = llama.create_completion(TEXTS[0], max_tokens=24, temperature=0.0, stop=["\n\n"],
-                                    repeat_penalty=1.0, min_p=0.0)
+    local = llama.create_completion(
+        TEXTS[0], max_tokens=24, temperature=0.0, stop=["\n\n"], repeat_penalty=1.0, min_p=0.0
+    )
     assert gen.text == local["choices"][0]["text"]
     assert gen.finish_reason == local["choices"][0]["finish_reason"]
     assert gen.token_ids == engine.encode(gen.text)
@@ -192,12 +219,15 @@ def test_encode_score_generate_and_prefill_match_llama_cpp_in_process(pool, hf_d
         engine.score([5, 6, 7])
 
 
-@pytest.mark.parametrize("route, settings", [
-    (lc.FLASH_ATTN, [r"flash_attn\s*=\s*(1|enabled|true)"]),
-    (lc.UBATCH, [r"n_ubatch\s*=\s*64"]),
-    (lc.KV_Q8_0, [r"flash_attn\s*=\s*(1|enabled|true)", r"K \(q8_0\)", r"V \(q8_0\)"]),
-    (lc.KV_Q4_0, [r"flash_attn\s*=\s*(1|enabled|true)", r"K \(q4_0\)", r"V \(q4_0\)"]),
-])
+@pytest.mark.parametrize(
+    "route, settings",
+    [
+        (lc.FLASH_ATTN, [r"flash_attn\s*=\s*(1|enabled|true)"]),
+        (lc.UBATCH, [r"n_ubatch\s*=\s*64"]),
+        (lc.KV_Q8_0, [r"flash_attn\s*=\s*(1|enabled|true)", r"K \(q8_0\)", r"V \(q8_0\)"]),
+        (lc.KV_Q4_0, [r"flash_attn\s*=\s*(1|enabled|true)", r"K \(q4_0\)", r"V \(q4_0\)"]),
+    ],
+)
 def test_route_switches_reach_llama_cpp(pool, route, settings):
     """Each route's server runs with llama.cpp's own setting switched (read from llama.cpp's
     log of its context), and the baseline's server with none of them."""
@@ -208,8 +238,10 @@ def test_route_switches_reach_llama_cpp(pool, route, settings):
     assert len(engine.score(ids)) == len(ids) - 1
     entry = pool.history[-1]
     assert entry["enabled_routes"] == [route]
-    assert entry["switches"] == {pool.registry.get(route).enable_switch: "1",
-                                 **pool.registry.get(route).server_env}
+    assert entry["switches"] == {
+        pool.registry.get(route).enable_switch: "1",
+        **pool.registry.get(route).server_env,
+    }
     log = Path(entry["log"]).read_text(errors="replace")
     for pattern in settings:
         assert re.search(pattern, log), f"{route}: llama.cpp's log shows no {pattern!r}"
@@ -234,3 +266,61 @@ def test_a_server_without_echo_declares_prompt_logprobs_missing(pool):
     caps = ServerAPI.from_openapi(doc).capabilities()
     assert not caps.prompt_logprobs
     assert "no echo with logprobs" in caps.reasons["prompt_logprobs"]
+
+
+def test_llama_cpp_routes_are_gated_through_dflash_serve(pytester, gguf_path):
+    """The shipped suites, ``-p pytest_dflash.engines.llamacpp`` and ``--dflash-serve`` of a
+    llama_cpp.server: ppl and quality reach a verdict (passed or failed, never an error), the
+    prefill speed gate stays pending with the server's reasons, each selection's server ran
+    with the route's llama.cpp settings, and none outlives the session."""
+    pytest.importorskip("datasets")
+    from pytest_dflash.engines.data import PPL_FILE, TASKS_FILE, data_dir
+
+    data = pytester.mkdir("data")
+    for name in (PPL_FILE, TASKS_FILE):
+        lines = (data_dir() / name).read_text().splitlines()[:2]
+        (data / name).write_text("\n".join(lines) + "\n")
+    pytester.makepyprojecttoml("[tool.pytest-dflash]\nquality_max_new_tokens = 32\n")
+    report = pytester.path / "llamacpp.json"
+    pytester.runpytest(
+        "--pyargs",
+        "dflash_suites",
+        "--dflash-profile",
+        "quick",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "pytest_dflash.engines.llamacpp",
+        "-m",
+        "ppl or quality or speed",
+        "--dflash-data",
+        str(data),
+        "--dflash-route",
+        lc.UBATCH,
+        "--dflash-serve",
+        lc.serve_command(gguf_path, n_ctx=1024),
+        "--dflash-serve-timeout",
+        "120",
+        "--dflash-report",
+        str(report),
+    )
+    entry = json.loads(report.read_text())["routes"][lc.UBATCH]
+    for kind in ("ppl", "quality"):
+        outcomes = [t["outcome"] for t in entry["gates"][kind]["tests"]]
+        assert outcomes and all(o in ("passed", "failed") for o in outcomes), (kind, outcomes)
+    speed = entry["gates"]["speed"]
+    assert speed["status"] == "pending"
+    assert all(
+        t["outcome"] == "skipped"
+        and "first_token_hash" in t["message"]
+        and "reset_prefix_cache" in t["message"]
+        for t in speed["tests"]
+    )
+    ppl = entry["gates"]["ppl"]["tests"][0]["measurements"]
+    servers = ppl["servers"]
+    assert {tuple(s["enabled_routes"]) for s in servers} >= {(), (lc.UBATCH,)}
+    assert all(
+        s["switches"].get("N_UBATCH") == ("64" if s["enabled_routes"] else None) for s in servers
+    )
+    assert all(not group_members(s["pid"]) for s in servers)
+    assert ppl["ppl_baseline"] > 1 and ppl["tokens"] > 0
