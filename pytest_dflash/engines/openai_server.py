@@ -757,23 +757,47 @@ class ServerEngine:
         return [float(v) for v in scores]
 
     def _forced_first(self, token: int) -> float:
-        """log p(token | BOS): the one-token completion of the BOS alone, with ``token`` forced
-        by a logit bias; the server must report the token it was forced to."""
-        if "logit_bias" not in self.api.fields:
+        """log p(token | BOS): the streamed one-token completion of the BOS alone, with
+        ``token`` forced by a logit bias; the server must report the token it was forced to.
+        llama_cpp.server reports a non-streamed completion of an empty prompt without
+        log-probs; streamed, its first event has the model's log-prob (before the bias), and
+        its generator then fails (0.3.36: an index past its scores), so the stream is closed
+        as soon as the token's event arrives: nothing after it is needed."""
+        httpx = _httpx()
+        if "logit_bias" not in self.api.fields or not self.api.stream:
             raise EngineUnsupported(
                 f"server for {self.pool.label(self.selection)} leaves the first token's "
-                "log-prob out of its echo and takes no logit_bias to ask for it")
-        text = self._json("POST", self.api.detokenize or "/detokenize",
-                          {"model": self.model, "tokens": [token]})
-        choice = self._choice({"prompt": "", "max_tokens": 1, "temperature": 0.0,
-                               "logprobs": 1, "logit_bias": {str(token): FORCE_BIAS},
-                               **self._neutral()})
-        logprobs = choice.get("logprobs") or {}
-        values, pieces = logprobs.get("token_logprobs") or [], logprobs.get("tokens") or []
-        want = text.get("text", text.get("prompt"))
-        if len(values) != 1 or not isinstance(values[0], (int, float)) or pieces[:1] != [want]:
+                "log-prob out of its echo and takes no logit_bias with stream to ask for it")
+        reply = self._json("POST", self.api.detokenize or "/detokenize",
+                           {"model": self.model, "tokens": [token]})
+        want = reply.get("text", reply.get("prompt"))
+        body = {"model": self.model, "prompt": "", "max_tokens": 1, "temperature": 0.0,
+                "logprobs": 1, "stream": True, "logit_bias": {str(token): FORCE_BIAS},
+                **self._neutral()}
+        values: list[Any] = []
+        pieces: list[Any] = []
+        try:
+            with self._connect().stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise self.pool.describe(self.selection, f"answered a forced completion "
+                                                             f"with HTTP {response.status_code}: "
+                                                             f"{response.text[:300]}")
+                for line in response.iter_lines():
+                    if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+                        choice = (json.loads(line[5:]).get("choices") or [{}])[0]
+                        logprobs = choice.get("logprobs") or {}
+                        values += logprobs.get("token_logprobs") or []
+                        pieces += logprobs.get("tokens") or []
+                        if values:  # the one token asked for; the stream is closed here
+                            break
+        except httpx.HTTPError as exc:
+            raise self.pool.describe(self.selection, f"failed a forced completion: "
+                                                     f"{exc}") from None
+        if len(values) != 1 or not isinstance(values[0], (int, float)) or pieces != [want]:
             raise self.pool.describe(self.selection, f"did not complete the BOS with the forced "
-                                                     f"token {token} ({want!r}): {logprobs!r:.300}")
+                                                     f"token {token} ({want!r}): log-probs "
+                                                     f"{values!r:.200} of tokens {pieces!r:.200}")
         return float(values[0])
 
     def _neutral(self) -> dict[str, float]:
