@@ -76,6 +76,17 @@ def figures(report: dict, route: str) -> dict:
     return out
 
 
+def model_info(model: Path | None) -> dict | None:
+    """Where the GGUF came from: the checkpoint's path and the sha256 of its weights."""
+    if model is None:
+        return None
+    import hashlib
+
+    weights = hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
+    return {"model": str(model), "model_safetensors_sha256": weights,
+            "command": f"python -m dflash_fixtures.convert_gguf {model}"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, required=True)
@@ -87,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         help="measured wall time of pip install 'llama-cpp-python[server]'",
     )
     parser.add_argument("--compile-note", default="")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="the transformers checkpoint the GGUF was converted from")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/llamacpp_gates.json"))
     args = parser.parse_args(argv)
 
@@ -138,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "commit": commit,
         "command": " ".join(command[1:]).replace(sys.executable, "python"),
-        "gguf": {"name": args.gguf.name, "bytes": args.gguf.stat().st_size},
+        "gguf": {"name": args.gguf.name, "bytes": args.gguf.stat().st_size,
+                 "converted_from": model_info(args.model)},
         "profile": args.profile,
         "exit_status": run.returncode,
         "gate_job_seconds": round(seconds, 1),

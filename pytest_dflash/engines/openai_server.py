@@ -724,8 +724,8 @@ class ServerEngine:
         """The echoed prompt log-probs of a one-token completion. vLLM echoes one entry per
         prompt token, the first null. llama_cpp.server drops the BOS from the echo and nulls
         the entry after it, though that token's log-prob exists: it is then asked for as the
-        one-token completion of the BOS alone, forced by ``logit_bias`` (the reported log-prob
-        is the model's, before the bias). Which of the two the server did is read from the
+        streamed one-token completion of the BOS alone, forced by ``logit_bias`` (the reported
+        log-prob is the model's, before the bias). Which of the two the server did is read from the
         count of echoed entries, never assumed from its name."""
         ids = [int(t) for t in token_ids]
         if len(ids) < 2:
