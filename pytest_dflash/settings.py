@@ -12,7 +12,7 @@ values.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,9 @@ class Settings:
     engine_urls: dict[str, str] = field(default_factory=dict)
     serve_timeout_s: float = 600.0
     data: Path | None = None
+    # the controller's plan of a run with one GPU per xdist worker (``pytest_dflash.xdist``):
+    # one card record per worker slot, None outside GPU-distributed runs
+    gpu_plan: tuple[Any, ...] | None = None
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -121,6 +124,11 @@ def of(config: pytest.Config) -> Settings:
     if _SETTINGS not in config.stash:
         config.stash[_SETTINGS] = resolve(config)
     return config.stash[_SETTINGS]
+
+
+def record_gpu_plan(config: pytest.Config, cards: list[Any]) -> None:
+    """Add the xdist controller's GPU plan, worked out once its workers are known."""
+    config.stash[_SETTINGS] = replace(of(config), gpu_plan=tuple(cards))
 
 
 def active(config: pytest.Config) -> bool:

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from pytest_dflash.evidence import report as reports
-from pytest_dflash.selftest.catalogue import original_of
 
 #: fingerprint fields that say which code and kernels the evidence is about (checked by enable)
 CODE_FIELDS = ("git_head", "git_dirty_sha256", "kernel_sources_sha256", "sidecar_sha256")
@@ -50,8 +49,8 @@ def _enable(args: argparse.Namespace) -> int:
     if changed:
         print(f"pytest-dflash: --any-fingerprint: enabling evidence of other code "
               f"({'; '.join(changed)})", file=sys.stderr)
-    for name, entry in sorted(data["routes"].items(), key=lambda item: item[1]["switch"]):
-        if entry["verdict"] == "accept" and original_of(name) is None:
+    for entry in sorted(data["routes"].values(), key=lambda entry: entry["switch"]):
+        if entry["verdict"] == "accept" and "planted" not in entry:
             print(f"{entry['switch']}=1")
     return 0
 
@@ -100,7 +99,7 @@ def _history(args: argparse.Namespace) -> int:
 
 def _selftest(args: argparse.Namespace) -> int:
     """The catch table of a report (``--run``: run the self-test first, through pytest)."""
-    from pytest_dflash.selftest import summary
+    from pytest_dflash.evidence import catch
 
     if args.pytest_args is not None:
         import subprocess
@@ -109,10 +108,10 @@ def _selftest(args: argparse.Namespace) -> int:
                    "--dflash-selftest", "--dflash-report", args.report, *args.pytest_args]
         print(" ".join(command), flush=True)
         return subprocess.call(command)
-    section = summary.summarize(reports.load(Path(args.report)))
-    for line in summary.render(section):
+    section = catch.summarize(reports.load(Path(args.report)))
+    for line in catch.render(section):
         print(line)
-    return 1 if summary.marks(section) else 0
+    return 1 if catch.marks(section) else 0
 
 
 def _build(args: argparse.Namespace) -> int:

@@ -15,13 +15,12 @@ it is missing or unreadable.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pytest_dflash.evidence import files
 from pytest_dflash.evidence import report as reports
 
 HISTORY_DIR = ".dflash"
@@ -65,18 +64,6 @@ def _entry(seq: int, path: Path, name: str | None, data: dict[str, Any]) -> dict
     }
 
 
-def _write_json(data: Any, path: Path) -> None:
-    handle, tmp = tempfile.mkstemp(prefix=".dflash-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            json.dump(data, out, indent=2, default=str)
-            out.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _rebuild(folder: Path) -> list[dict[str, Any]]:
     found = []
     for path in sorted(folder.glob("*.json")):
@@ -106,7 +93,7 @@ def entries(root: Path) -> list[dict[str, Any]]:
         listed = [e for e in listed if (folder / e["file"]).is_file()]
     except (OSError, ValueError):
         listed = _rebuild(folder)
-        _write_json(listed, index)
+        files.write_json(listed, index)
     return sorted(listed, key=lambda e: e["seq"])
 
 
@@ -134,7 +121,7 @@ def save(report: dict[str, Any], root: Path, name: str | None = None) -> Path:
         stored.setdefault("session", {})["saved_as"] = name
         reports.write_atomic(stored, path)
         listed.append(_entry(seq, path, name, stored))
-        _write_json(listed, folder / INDEX)
+        files.write_json(listed, folder / INDEX)
     return path
 
 

@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from pytest_dflash.evidence import catch, files
 from pytest_dflash.evidence import fingerprint as fp
 from pytest_dflash.evidence.verdict import disagreements, recompute
 from pytest_dflash.session.policy import Policy, PolicyError, policy_from_overrides
 
-SCHEMA = "pytest-dflash/report/1"
+SCHEMA = "pytest-dflash/report/2"
 SCHEMA_FILE = "report.schema.json"
 
 
@@ -35,8 +34,9 @@ class MergeRefused(ReportError):
     """The existing report was measured on different code or hardware."""
 
 
-def route_entry(route: Any) -> dict[str, Any]:
-    return {
+def route_entry(route: Any, planted: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A route's entry; ``planted`` marks a route the self-test planted (``evidence.catch``)."""
+    entry: dict[str, Any] = {
         "family": route.family,
         "role": route.role,
         "baseline": route.baseline,
@@ -46,10 +46,21 @@ def route_entry(route: Any) -> dict[str, Any]:
         "reasons": [],
         "gates": {kind: {"status": "pending", "figure": "", "tests": []} for kind in route.gates},
     }
+    if planted is not None:
+        entry["planted"] = planted
+    return entry
+
+
+def judged(routes: dict[str, Any]) -> dict[str, Any]:
+    """A report's routes without the planted ones: what verdicts, exit statuses and enable
+    switches are about (planted routes are judged in the catch table)."""
+    return {name: entry for name, entry in routes.items() if "planted" not in entry}
 
 
 def new_report(*, routes: list[Any], fingerprint: dict[str, Any], device: dict[str, Any],
-               profile: str, policy: dict[str, Any]) -> dict[str, Any]:
+               profile: str, policy: dict[str, Any],
+               planted: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    planted = planted or {}
     return {
         "schema": SCHEMA,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -57,7 +68,7 @@ def new_report(*, routes: list[Any], fingerprint: dict[str, Any], device: dict[s
         "device": device,
         "profile": profile,
         "policy": policy,
-        "routes": {route.name: route_entry(route) for route in routes},
+        "routes": {route.name: route_entry(route, planted.get(route.name)) for route in routes},
         "session": {},
     }
 
@@ -73,18 +84,8 @@ def add_test(report: dict[str, Any], route: str, kind: str, test: dict[str, Any]
 
 def write_atomic(report: dict[str, Any], path: Path) -> None:
     """Write to a temporary file in the same folder, then rename: never a half-written report."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     recompute(report["routes"])
-    handle, tmp = tempfile.mkstemp(prefix=".dflash-report-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2, sort_keys=False, default=str)
-            out.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    files.write_json(report, path)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -144,9 +145,7 @@ def validate(data: Any, path: Path | str = "report") -> None:
         )
     recompute(data["routes"])
     if "selftest" in data:
-        from pytest_dflash.selftest.summary import summarize
-
-        fresh = summarize(data)
+        fresh = catch.summarize(data)
         if json.loads(json.dumps(data["selftest"])) != json.loads(json.dumps(fresh)):
             raise ReportError(
                 f"{path}: corrupt report: field selftest disagrees with the planted routes' "

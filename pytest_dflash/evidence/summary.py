@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pytest_dflash.evidence.report import judged
 from pytest_dflash.evidence.table import render
-from pytest_dflash.selftest.catalogue import verdict_routes
 
 FORMATS: tuple[str, ...] = ("text", "markdown", "json")
 SUMMARY_SCHEMA = "pytest-dflash/summary/1"
@@ -22,7 +22,7 @@ _MD_VERDICT = {"accept": "ACCEPT", "reject": "**REJECT**", "pending": "*PENDING*
 
 def all_accepted(report: dict[str, Any]) -> bool:
     """True iff there is at least one candidate and every one is accepted (the exit-0 rule)."""
-    verdicts = [entry["verdict"] for entry in verdict_routes(report["routes"]).values()]
+    verdicts = [entry["verdict"] for entry in judged(report["routes"]).values()]
     return bool(verdicts) and all(v == "accept" for v in verdicts)
 
 
@@ -37,7 +37,7 @@ def context_line(report: dict[str, Any]) -> str:
 def counts(report: dict[str, Any]) -> dict[str, int]:
     """How many candidates got each verdict."""
     result = {"accept": 0, "reject": 0, "pending": 0}
-    for entry in verdict_routes(report["routes"]).values():
+    for entry in judged(report["routes"]).values():
         result[entry["verdict"]] = result.get(entry["verdict"], 0) + 1
     return result
 
@@ -63,7 +63,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     """
     from pytest_dflash.routes.vocabulary import GATE_KINDS
 
-    routes = verdict_routes(report["routes"])
+    routes = judged(report["routes"])
     tally = counts(report)
     state = "all candidates accepted" if all_accepted(report) else "not all candidates accepted"
     lines = [
@@ -127,7 +127,7 @@ def to_json(report: dict[str, Any]) -> dict[str, Any]:
                 "gates": {kind: {"status": gate["status"], "figure": gate.get("figure", "")}
                           for kind, gate in entry["gates"].items()},
             }
-            for name, entry in sorted(verdict_routes(report["routes"]).items())
+            for name, entry in sorted(judged(report["routes"]).items())
         },
     }
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from pytest_dflash.evidence.catch import marks, summarize
+from pytest_dflash.evidence.report import judged
 from pytest_dflash.routes.vocabulary import GATE_KINDS
-from pytest_dflash.selftest.catalogue import verdict_routes
-from pytest_dflash.selftest.summary import marks, summarize
 
 _MARK = {"passed": "pass", "failed": "FAIL", "pending": "pending"}
 
@@ -15,9 +15,9 @@ def render(report: dict[str, Any]) -> list[str]:
     """One row per candidate route, gate columns, then the deciding figure of each gate.
 
     Routes planted by the self-test are judged like any route but shown in its own table
-    (``pytest_dflash.selftest.summary.render``); a gate whose self-test missed a planted defect
+    (``pytest_dflash.evidence.catch.render``); a gate whose self-test missed a planted defect
     is marked ``!`` here, because its accept is not evidence."""
-    routes = verdict_routes(report["routes"])
+    routes = judged(report["routes"])
     unproven = marks(summarize(report))
     if not routes:
         return ["no candidate routes were registered or selected"]

@@ -17,7 +17,6 @@ import pytest
 
 from pytest_dflash import settings
 from pytest_dflash.session.profiles import ProfileSizes, sizes
-from pytest_dflash.xdist.plugin import plan_of
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +42,7 @@ def device_info(config: pytest.Config) -> dict[str, Any]:
         kind = "cuda" if wanted == "cuda" or (wanted == "auto" and has_cuda) else "cpu"
         info: dict[str, Any] = {"type": kind, "torch": torch.__version__,
                                 "cuda": torch.version.cuda, "capability": None}
-        cards = plan_of(config)  # the controller of a run with one GPU per xdist worker
+        cards = settings.of(config).gpu_plan  # controller of a run with a GPU per worker
         if kind == "cuda" and cards and cards[0].capability:
             # named from the plan (nvidia-smi): the controller never opens a CUDA context
             info.update(name=cards[0].name, capability=cards[0].capability)

@@ -14,15 +14,13 @@ from typing import Any
 import pytest
 
 from pytest_dflash import settings
-from pytest_dflash.evidence import junit
+from pytest_dflash.evidence import catch, junit
 from pytest_dflash.evidence import report as reports
 from pytest_dflash.evidence.table import render
 from pytest_dflash.evidence.verdict import INTERRUPTED, INTERRUPTED_MESSAGE, PASSED
 from pytest_dflash.routes import shipped
 from pytest_dflash.routes.registry import RegistryError, Route, RouteRegistry
 from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS, UnknownNameError, check_kind
-from pytest_dflash.selftest import summary as selftest_summary
-from pytest_dflash.selftest.catalogue import original_of, verdict_routes
 from pytest_dflash.session import saved_runs
 from pytest_dflash.session.environment import (
     device_info,
@@ -46,6 +44,7 @@ class DflashState:
         self.policy = Policy()
         self.selected_routes: set[str] = set()
         self.selected_gates: set[tuple[str, str]] = set()
+        self.planted: dict[str, dict[str, Any]] = {}  # route -> its report field ``planted``
 
     def candidates(self) -> list[Route]:
         """The candidates this run gates: all registered, narrowed by the selection options."""
@@ -190,7 +189,7 @@ class EvidenceCollector:
         evidence = reports.new_report(
             routes=self.state.candidates(), fingerprint=fingerprint_of(config),
             device=device_info(config), profile=profile_of(config),
-            policy=_policy_echo(self.state.policy))
+            policy=_policy_echo(self.state.policy), planted=self.state.planted)
         for test in self.tests.values():
             entry = {k: v for k, v in test.items() if k not in ("route", "kind")}
             reports.add_test(evidence, test["route"], test["kind"], entry)
@@ -211,18 +210,18 @@ class EvidenceCollector:
         if mixed:
             self.problems.extend(mixed)
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        if any(original_of(name) for name in evidence["routes"]):
-            evidence["selftest"] = selftest_summary.summarize(evidence)
+        if any("planted" in entry for entry in evidence["routes"].values()):
+            evidence["selftest"] = catch.summarize(evidence)
         reports.write_atomic(evidence, self.report_path)
         self.report = evidence
         junit.add_verdicts(config, evidence)
         self.history = saved_runs.finish(config, evidence)
         self.problems.extend(self.history.problems)
         if asked.strict:
-            for reason in selftest_summary.marks(evidence.get("selftest", {})).values():
+            for reason in catch.marks(evidence.get("selftest", {})).values():
                 self.problems.append(f"strict mode: {reason}")
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
-            pending = [name for name, entry in verdict_routes(evidence["routes"]).items()
+            pending = [name for name, entry in reports.judged(evidence["routes"]).items()
                        if entry.get("verdict") == "pending"]
             if pending:
                 self.problems.append("strict mode: selected candidates left pending: "
@@ -243,7 +242,7 @@ class EvidenceCollector:
             if "selftest" in self.report:
                 tr.write_sep("-", "dflash self-test: planted defects caught per gate "
                                   "(docs/selftest.md)")
-                for line in selftest_summary.render(self.report["selftest"]):
+                for line in catch.render(self.report["selftest"]):
                     tr.write_line(line)
             tr.write_line(f"report: {self.report_path}")
         if self.history is not None:

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 # Test-only: pretend the box has this many GPUs (named "fake GPU", UUIDs GPU-fake-N). Used by the
@@ -319,10 +320,9 @@ def group_name(route: str, kind: str) -> str:
 
 def write_groups(folder: str, slot: int, groups: Mapping[str, str]) -> None:
     """A worker's node id -> group map, written atomically where the controller reads it."""
-    path = os.path.join(folder, f"slot{slot}.json")
-    with open(path + ".tmp", "w", encoding="utf-8") as out:
-        json.dump(dict(groups), out)
-    os.replace(path + ".tmp", path)
+    from pytest_dflash.evidence.files import write_json
+
+    write_json(dict(groups), Path(folder) / f"slot{slot}.json", indent=None)
 
 
 def read_groups(folder: str) -> dict[str, str]:

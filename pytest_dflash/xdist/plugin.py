@@ -32,7 +32,6 @@ from pytest_dflash import settings
 from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS
 from pytest_dflash.xdist import gpus
 
-PLAN = pytest.StashKey["list[gpus.Gpu] | None"]()
 WORKER_GPU = pytest.StashKey["gpus.Gpu | None"]()
 SAVED_ENV = pytest.StashKey["dict[str, str | None]"]()
 RECORD = pytest.StashKey["dict[str, Any] | None"]()
@@ -69,7 +68,6 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[PLAN] = None
     config.stash[WORKER_GPU] = None
     if hasattr(config, "workerinput"):
         _configure_worker(config)
@@ -109,7 +107,7 @@ def _configure_controller(config: pytest.Config) -> None:
     # inherited by the workers
     os.environ[gpus.PLAN_ENV] = gpus.encode_plan(cards)
     os.environ[gpus.GROUPS_ENV] = tempfile.mkdtemp(prefix="dflash-gpu-groups-")
-    config.stash[PLAN] = cards
+    settings.record_gpu_plan(config, cards)
 
 
 def _configure_worker(config: pytest.Config) -> None:
@@ -181,7 +179,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 def plan_of(config: pytest.Config) -> list[gpus.Gpu] | None:
     """The controller's plan (one card per worker slot), or None outside GPU-distributed runs."""
-    return config.stash.get(PLAN, None)
+    if not settings.active(config):
+        return None
+    plan = settings.of(config).gpu_plan
+    return list(plan) if plan is not None else None
 
 
 def gpu_of(config: pytest.Config) -> gpus.Gpu | None:

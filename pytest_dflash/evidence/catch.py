@@ -1,8 +1,10 @@
-"""The report's ``selftest`` section, computed from the planted routes' test outcomes.
+"""The catch table: the report's ``selftest`` section, computed from the planted routes' tests.
 
-Like verdicts, the section is a pure function of the recorded outcomes and measurements, so the
-CLI recomputes it from any report and a stored section is never trusted. Per original route and
-gate kind:
+A route the self-test planted carries a ``planted`` field in the report (the route it was
+planted from, the defect's key and description, the planted slowdown), so this module needs
+nothing of the self-test itself. Like verdicts, the section is a pure function of the recorded
+outcomes and measurements, so the CLI recomputes it from any report and a stored section is
+never trusted. Per original route and gate kind:
 
 * ``copy``: the unchanged copy's gate status next to the route's own; ``copy_agrees`` is False
   when both were decided differently (a gate that accepts a route and rejects its copy, or the
@@ -24,19 +26,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from types import SimpleNamespace
 from typing import Any
 
 from pytest_dflash.evidence.verdict import gate_figure, gate_status
-from pytest_dflash.selftest.catalogue import (
-    COPY,
-    SEPARATOR,
-    TIMING_KINDS,
-    catalogue,
-    original_of,
-)
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS as TIMING_KINDS
 
+COPY = "copy"  # the defect key of a planted route's unchanged copy
 CAUGHT, MISSED, ERROR, PENDING = "caught", "missed", "error", "pending"
 
 
@@ -81,28 +76,16 @@ def _defect_status(gate: Mapping[str, Any] | None) -> str:
     return PENDING
 
 
-def _slowdown(key: str) -> float | None:
-    """The planted fraction encoded in a timing defect's key (``slow_3pct`` -> 0.03)."""
-    if not key.endswith("pct"):
-        return None
-    number = key.rsplit("_", 1)[-1].removesuffix("pct").replace("p", ".")
-    try:
-        return float(number) / 100
-    except ValueError:
-        return None
-
-
 def summarize(report: Mapping[str, Any]) -> dict[str, Any]:
     """The ``selftest`` section of ``report`` (empty routes when nothing was planted)."""
     routes = report.get("routes", {})
     policy = report.get("policy", {})
-    whats = {d.key: d.what for d in catalogue(SimpleNamespace(**{**Policy().as_dict(), **policy}))}
     out: dict[str, Any] = {}
     for name, entry in sorted(routes.items()):
-        original = original_of(name)
-        if original is None:
+        planted = entry.get("planted")
+        if planted is None:
             continue
-        key = name.rpartition(SEPARATOR)[2]
+        original, key = planted["from"], planted["defect"]
         own = routes.get(original, {}).get("gates", {})
         for kind in entry.get("required", []):
             gate = entry["gates"].get(kind)
@@ -116,9 +99,9 @@ def summarize(report: Mapping[str, Any]) -> dict[str, Any]:
                 continue
             status = _defect_status(gate)
             record: dict[str, Any] = {"key": key, "route": name, "status": status,
-                                      "what": whats.get(key, ""),
+                                      "what": planted.get("what", ""),
                                       "figure": gate_figure(gate["tests"]) if gate else ""}
-            fraction = _slowdown(key)
+            fraction = planted.get("slowdown")
             if kind in TIMING_KINDS and fraction is not None:
                 timings = [t for test in (gate or {}).get("tests", [])
                            for t in _timings(test.get("measurements", {}))]
