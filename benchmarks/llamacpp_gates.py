@@ -1,7 +1,7 @@
 """Gate the llama.cpp routes on a llama_cpp.server of a GGUF and write the verdicts and figures
 to ``benchmarks/results/llamacpp_gates.json`` (docs/engines.md, "llama.cpp").
 
-    python benchmarks/llamacpp_gates.py --gguf MODEL.gguf [--profile ci] \
+    python benchmarks/llamacpp_gates.py --gguf MODEL.gguf [--model HF_DIR] [--profile ci] \
         [--compile-seconds S] [--out benchmarks/results/llamacpp_gates.json]
 
 Runs the shipped suites' ppl, quality and prefill speed gates for every route of
@@ -83,8 +83,11 @@ def model_info(model: Path | None) -> dict | None:
     import hashlib
 
     weights = hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
-    return {"model": str(model), "model_safetensors_sha256": weights,
-            "command": f"python -m dflash_fixtures.convert_gguf {model}"}
+    return {
+        "model": str(model),
+        "model_safetensors_sha256": weights,
+        "command": f"python -m dflash_fixtures.convert_gguf {model}",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,8 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         help="measured wall time of pip install 'llama-cpp-python[server]'",
     )
     parser.add_argument("--compile-note", default="")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="the transformers checkpoint the GGUF was converted from")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="the transformers checkpoint the GGUF was converted from",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/llamacpp_gates.json"))
     args = parser.parse_args(argv)
 
@@ -151,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         },
         "commit": commit,
         "command": " ".join(command[1:]).replace(sys.executable, "python"),
-        "gguf": {"name": args.gguf.name, "bytes": args.gguf.stat().st_size,
-                 "converted_from": model_info(args.model)},
+        "gguf": {
+            "name": args.gguf.name,
+            "bytes": args.gguf.stat().st_size,
+            "converted_from": model_info(args.model),
+        },
         "profile": args.profile,
         "exit_status": run.returncode,
         "gate_job_seconds": round(seconds, 1),
