@@ -74,7 +74,7 @@ def test_ppl_heldout_segments(dflash_gate):
 
     route, policy = dflash_gate.route, dflash_gate.policy
     segments = ppl_segments(dflash_gate.profile, dflash_gate.data_dir)
-    baseline, candidate = dflash_gate.engines()
+    baseline, candidate = dflash_gate.require("prompt_logprobs")
     base = score_segments(baseline, segments, baseline=True)
     cand = score_segments(candidate, segments)
     dflash_gate.record_engines(baseline, candidate)
@@ -132,7 +132,7 @@ def test_ppl_long_contexts(dflash_gate):
     from pytest_dflash.metrics.seams import band_perplexities, bands
 
     route, policy, profile = dflash_gate.route, dflash_gate.policy, dflash_gate.profile
-    baseline, candidate = dflash_gate.engines()
+    baseline, candidate = dflash_gate.require("prompt_logprobs")
     chunk = chunk_of(candidate, dflash_gate.impl, profile)
     base_chunk = chunk_of(baseline, dflash_gate.baseline, profile)
     # three seams of both chunk sizes, and a tail band behind the candidate's last seam

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 # What a model-level gate may need beyond score/generate/encode, which every engine offers.
 CAPABILITIES: tuple[str, ...] = ("prefill_timing", "first_token_hash", "verify_logits",
-                                 "route_hits", "position_logits")
+                                 "route_hits", "position_logits", "prompt_logprobs")
 
 
 class EngineUnsupported(RuntimeError):
@@ -40,6 +40,8 @@ class Capabilities:
     - ``position_logits``: ``prefill_logits(ids, positions)`` returns the full next-token
       log-probs [len(positions), vocab] at chosen positions of one cold prefill, which stays
       cached for ``verify`` (the cold-prefill agreement check compares them across routes).
+    - ``prompt_logprobs``: ``score(ids)`` returns the log-prob of every token of a sequence
+      (a server needs a tokenize endpoint and echoed prompt log-probs for it).
 
     ``reasons`` says, per missing capability, why the engine cannot offer it.
     """
@@ -49,6 +51,7 @@ class Capabilities:
     verify_logits: bool = True
     route_hits: bool = True
     position_logits: bool = True
+    prompt_logprobs: bool = True
     reasons: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
