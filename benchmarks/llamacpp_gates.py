@@ -147,33 +147,36 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     result = {
-        "what": "llama.cpp routes gated through --dflash-serve on llama_cpp.server",
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cuda": None,
-            "llama_cpp_python": llama_cpp.__version__,
-        },
+        "schema": "pytest-dflash/benchmark/1",
+        "kind": "measured",
+        "topic": "llama.cpp engine",
+        "title": "llama.cpp settings gated as routes on llama_cpp.server",
+        "about": "ppl, quality and speed gates of the llama.cpp routes, served by "
+                 "llama_cpp.server with the tiny Llama-architecture model converted to GGUF; "
+                 "the compile time of llama-cpp-python from source is in compile.seconds",
+        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, "
+                   f"llama-cpp-python {llama_cpp.__version__}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": None,
         "commit": commit,
-        "command": " ".join(command[1:]).replace(sys.executable, "python"),
-        "gguf": {
-            "name": args.gguf.name,
-            "bytes": args.gguf.stat().st_size,
-            "converted_from": model_info(args.model),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(command[1:]).replace(sys.executable, "python")
+                   .replace(str(args.gguf.parent), "$DFLASH_CACHE_DIR/gguf"),
+        "values": {
+            "gguf": {"name": args.gguf.name, "bytes": args.gguf.stat().st_size,
+                     "converted_from": model_info(args.model)},
+            "profile": args.profile,
+            "exit_status": run.returncode,
+            "gate_job_seconds": round(seconds, 1),
+            "compile": {"seconds": args.compile_seconds, "note": args.compile_note},
+            "routes": {name: figures(data, name) for name in routes},
         },
-        "profile": args.profile,
-        "exit_status": run.returncode,
-        "gate_job_seconds": round(seconds, 1),
-        "compile": {"seconds": args.compile_seconds, "note": args.compile_note},
-        "routes": {name: figures(data, name) for name in routes},
-        "summary_lines": [line for line in run.stdout.splitlines() if "llamacpp" in line][-12:],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     report.unlink()
-    print(json.dumps({n: r["verdict"] for n, r in result["routes"].items()}, indent=1))
+    print(json.dumps({n: r["verdict"] for n, r in result["values"]["routes"].items()}, indent=1))
     return 0
 
 
