@@ -95,6 +95,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{kind}: gate tests of kind {kind}")
     if not config.pluginmanager.is_registered(fixtures):
         config.pluginmanager.register(fixtures, "dflash-fixtures")
+    engine_setup.register_engine_routes(config)
     session.start(config)
     reporting.check_options(config)
     progress.install_for(config)
@@ -124,7 +125,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 @pytest.hookimpl(trylast=True)
 def pytest_dflash_engine(config: pytest.Config, selection: dict[str, str], profile: str) -> Any:
     """The default engine, asked last, built from the session's route registry: the reference
-    engine on the gate device, or a server engine under --dflash-serve / --dflash-engine-url."""
+    engine on the gate device, the transformers engine under --dflash-engine hf:PATH, or a
+    server engine under --dflash-serve / --dflash-engine-url."""
     return engine_setup.factory_of(config).build(selection)
 
 
