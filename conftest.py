@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent
 class ExampleAttention:
     """An attn.d256 route in plain torch (fp32 math), as an engine repository would write it.
 
-    It follows the family contract (``pytest_dflash.families.AttnD256``): ``dense`` and
+    It follows the family contract (``pytest_dflash.routes.families.AttnD256``): ``dense`` and
     ``paged`` write into the caller's ``out`` and record one route hit per call, which is how
     the gates prove that this route, not a fallback, computed what they judge.
     """
@@ -56,16 +56,14 @@ class ExampleAttention:
         out.copy_((scores.softmax(-1) @ vf).transpose(0, 1).to(out.dtype))
 
     def dense(self, q, k, v, out, softmax_scale: float, causal: bool) -> None:
-        from pytest_dflash import hits
-
+        from pytest_dflash.native import hits
         hits.record(self.name, "dense")
         self._attend(q, k, v, out, softmax_scale, causal)
 
     def paged(self, q, k_cache, v_cache, block_table, kv_len: int, out, softmax_scale: float,
               causal: bool) -> None:
         from dflash_kernels.attention import gather_pages
-        from pytest_dflash import hits
-
+        from pytest_dflash.native import hits
         hits.record(self.name, "paged")
         k, v = gather_pages(k_cache, v_cache, block_table, kv_len)
         self._attend(q, k, v, out, softmax_scale, causal)
@@ -78,7 +76,6 @@ class ExampleRoutes:
 
     def pytest_dflash_routes(self, registry) -> None:
         from pytest_dflash import Route
-
         registry.register(Route(
             "attn.d256.example", family="attn.d256", role="candidate",
             baseline="attn.d256.sdpa", gates=("parity",),

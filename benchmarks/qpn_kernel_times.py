@@ -4,7 +4,7 @@
 
 Per route and M it prints three figures, because at these sizes (5 to 500 us) they differ:
 
-- ``events``: one call timed with CUDA events after an L2 flush (``pytest_dflash.timing.
+- ``events``: one call timed with CUDA events after an L2 flush (``pytest_dflash.measure.timing.
   cuda_timer``, what the gates and ``test_bench_qpn.py`` measure), median of 25;
 - ``queued``: the same with the GPU kept busy (``cuda_timer(..., spin_cycles=)``, a ~100 us spin
   kernel) while the host enqueues the call, so host-side dispatch cost cannot show; equal to
@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 from dflash_kernels.gemm import QPN2, QPN4_BOUNDED
 from dflash_kernels.nvfp4 import NVFP4Weight, dequantize, quantize
 from dflash_suites.support.gemm import layer_shape
-from pytest_dflash.timing import cuda_timer
+from pytest_dflash.measure.timing import cuda_timer
 
 DEVICE = torch.device("cuda")
 ROUNDS = 25

@@ -84,7 +84,7 @@ def _setup(impl: str, t: int):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("t", LENGTHS, ids=[f"T{t}" for t in LENGTHS])
 def test_causal_prefill_d256(benchmark, monkeypatch, impl, t):
-    from pytest_dflash.timing import l2_flush_buffer
+    from pytest_dflash.measure.timing import l2_flush_buffer
 
     if impl in VARIANTS:
         monkeypatch.setenv("DFLASH_D256_CUDA_WARPS", VARIANTS[impl][0])

@@ -3,7 +3,8 @@
     pytest benchmarks/test_bench_qpn.py --benchmark-json bench.json
 
 On CUDA (target deployment shapes): every sample is one call timed with CUDA events after an L2
-flush (:func:`pytest_dflash.timing.cuda_timer`); the GPU-time median, p10 and p90 are stored in
+flush (:func:`pytest_dflash.measure.timing.cuda_timer`); the GPU-time median, p10 and p90 are
+stored in
 ``extra_info`` (pytest-benchmark's own columns are the host time of flush + call + sync). On the
 CPU (the ci profile's shapes) pytest-benchmark's own timing is the figure.
 
@@ -27,9 +28,9 @@ import torch
 from dflash_kernels.gemm import ORACLE, QPN2, QPN4_BOUNDED, TURBOMIND
 from dflash_kernels.nvfp4 import NVFP4Weight, dequantize, quantize
 from dflash_suites.support.gemm import TARGET_M, layer_shape
-from pytest_dflash.numerics import check_parity
-from pytest_dflash.policy import Policy
-from pytest_dflash.timing import cuda_timer
+from pytest_dflash.measure.numerics import check_parity
+from pytest_dflash.measure.timing import cuda_timer
+from pytest_dflash.session.policy import Policy
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PROFILE = "full" if DEVICE.type == "cuda" else "ci"

@@ -4,7 +4,8 @@
                                             [--cpu-sample-min-s SECONDS]
 
 Both sides are the very same verify step (gate/up then down through qpn2, on one prepared copy
-of the weights), timed by ``pytest_dflash.timing.speed_gate`` with the no_regression rule, the
+of the weights), timed by ``pytest_dflash.measure.timing.speed_gate`` with the no_regression rule,
+the
 default policy and M = 1..8, exactly as the gate times a candidate. A null change must pass at
 every width; a width that fails measures how often the host's own noise would reject a
 candidate that changes nothing. ``--cpu-sample-min-s 0`` times one call per sample (the
@@ -21,8 +22,8 @@ import torch
 from dflash_kernels import qpn_native
 from dflash_kernels.gemm import QPN2
 from dflash_suites.support.gemm import layer_shape, make_weight, make_x
-from pytest_dflash.policy import Policy
-from pytest_dflash.timing import speed_gate
+from pytest_dflash.measure.timing import speed_gate
+from pytest_dflash.session.policy import Policy
 
 
 def main() -> None:

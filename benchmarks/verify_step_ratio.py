@@ -29,9 +29,9 @@ import torch
 from dflash_kernels import qpn_native
 from dflash_kernels.gemm import QPN2, QPN2_PACKED
 from dflash_suites.support.gemm import layer_shape, make_weight, make_x
-from pytest_dflash.policy import Policy
-from pytest_dflash.statistics import paired_compare
-from pytest_dflash.timing import calls_per_sample, timer_for
+from pytest_dflash.measure.statistics import paired_compare
+from pytest_dflash.measure.timing import calls_per_sample, timer_for
+from pytest_dflash.session.policy import Policy
 
 
 def main() -> None:

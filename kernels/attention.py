@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pytest_dflash import hits
-from pytest_dflash.loader import NAMESPACE, LoaderStatus, current_status
+from pytest_dflash.native import hits
+from pytest_dflash.native.loader import NAMESPACE, LoaderStatus, current_status
 
 FAMILY = "attn.d256"
 HEAD_DIM = 256
@@ -266,7 +266,7 @@ def _contiguous_out(out: torch.Tensor) -> Iterator[torch.Tensor]:
 
 def fa2_status(device: str = "cpu") -> LoaderStatus:
     """The loader's status for the native ops: the process's current one (see
-    :func:`pytest_dflash.loader.current_status`): the bundled build, or the sidecar given to
+    :func:`pytest_dflash.native.loader.current_status`): the bundled build, or the sidecar given to
     the loader or in ``$DFLASH_D256_LIBRARY``."""
     return current_status(device)
 

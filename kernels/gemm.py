@@ -1,7 +1,7 @@
 """The gemm.nvfp4 routes: linear layers whose weights are NVFP4 (docs/families.md).
 
 Every route offers the same calling contract (``GemmRoute``, which is
-``pytest_dflash.families.GemmNvfp4``), which the gate suites and the
+``pytest_dflash.routes.families.GemmNvfp4``), which the gate suites and the
 reference engine use and an outside route of this family must offer too:
 
 - ``prepare(w: NVFP4Weight) -> prepared``: the route's resident form of the weight; call it
@@ -43,8 +43,8 @@ from dflash_kernels import qpn_native
 from dflash_kernels.nvfp4 import NVFP4Weight, dequantize, validate
 from dflash_kernels.qpn import TILE_N, QPNWeight, prepare_qpn2
 from dflash_kernels.qpn_native import Workspace, device_key
-from pytest_dflash import hits
-from pytest_dflash.families import GemmNvfp4
+from pytest_dflash.native import hits
+from pytest_dflash.routes.families import GemmNvfp4
 
 FAMILY = "gemm.nvfp4"
 # Largest projection of the target deployment in fp16: 5120 x 8704 x 2 bytes = 85 MiB.

@@ -2,13 +2,15 @@
 
 The QPN kernels live in the bundled native library (``kernels/csrc/qpn_gemm.cpp`` for the CPU,
 ``qpn_gemm_cuda.cu`` for CUDA), next to the D256 attention ops, and are loaded by the one loader
-(:mod:`pytest_dflash.loader`): a process never loads a second library of its own for them, which
+(:mod:`pytest_dflash.native.loader`): a process never loads a second library of its own for them,
+which
 could register an op namespace twice and abort. The routes call the ops directly; everything
 here runs once per process, once per weight (``require``) or outside the timed calls (hit
 snapshots, workspace peaks).
 
 Route hits are counted by the native ops themselves (one relaxed atomic add per path taken), so
-a hit proves which native code path ran, and ``pytest_dflash.hits`` reads them through a source
+a hit proves which native code path ran, and ``pytest_dflash.native.hits`` reads them through a
+source
 registered here at load time.
 """
 
@@ -57,7 +59,7 @@ def _load() -> None:
         if _loaded:
             return
         if not set(OPS) <= set(registered_ops()):
-            from pytest_dflash.loader import current_status
+            from pytest_dflash.native.loader import current_status
 
             status = current_status("cpu")  # loads the bundled build (or the chosen sidecar)
             if not set(OPS) <= set(registered_ops()):
@@ -66,8 +68,7 @@ def _load() -> None:
                     f"{status.summary()}. Build the bundled library with `pytest-dflash build`; "
                     "a sidecar library must be a full build of kernels/csrc"
                 )
-        from pytest_dflash import hits
-
+        from pytest_dflash.native import hits
         hits.add_source(read_hits)
         ns = getattr(torch.ops, NAMESPACE)
         ns.set_poison(_poison)
@@ -106,7 +107,7 @@ def require(device: torch.device | str) -> Any:
 
 
 def read_hits() -> dict[tuple[str, str], int]:
-    """The native hit counters (monotonic, per process) keyed like ``pytest_dflash.hits``."""
+    """The native hit counters (monotonic, per process) keyed like ``pytest_dflash.native.hits``."""
     counts = getattr(torch.ops, NAMESPACE).hit_counts().tolist()
     return {key: int(n) for key, n in zip(HIT_KEYS, counts, strict=True) if n}
 

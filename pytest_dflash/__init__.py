@@ -1,10 +1,12 @@
 """pytest-dflash: promote a candidate kernel route only on test evidence.
 
 The public API is deliberately tiny and import-light (no torch here): a route record, a family
-declaration, and the registry both go into from the ``pytest_dflash_routes`` hook
-(docs/extending.md), and :func:`default_engine`, the engine pytest-dflash itself would build,
-for an outside ``pytest_dflash_engine`` hook to wrap. Gate tests use the ``dflash_gate`` fixture
-(``pytest_dflash.gate``); suites ask ``pytest_dflash.environment`` for the device and profile.
+declaration, and the registry all go into the ``pytest_dflash_routes`` hook
+(docs/extending.md); ``hits`` is where a route records which code path served a call;
+:func:`default_engine` is the engine pytest-dflash itself would build, for an outside
+``pytest_dflash_engine`` hook to wrap. Gate tests use the ``dflash_gate`` fixture
+(``pytest_dflash.session.gate``); suites ask ``pytest_dflash.session.environment`` for the
+device and profile.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pytest_dflash.families import Family
-from pytest_dflash.registry import RegistryError, Route, RouteRegistry
+from pytest_dflash.native import hits
+from pytest_dflash.routes.families import Family
+from pytest_dflash.routes.registry import RegistryError, Route, RouteRegistry
 
-__all__ = ["Family", "Route", "RouteRegistry", "RegistryError", "default_engine"]
+__all__ = ["Family", "Route", "RouteRegistry", "RegistryError", "hits", "default_engine"]
 
 
 def default_engine(config: Any, selection: Mapping[str, str]) -> Any:
@@ -30,6 +33,6 @@ def default_engine(config: Any, selection: Mapping[str, str]) -> Any:
     close it. A route name that is not registered, or not of the family it is given for,
     raises ValueError naming the known routes.
     """
-    from pytest_dflash.engine_setup import factory_of
+    from pytest_dflash.engines.setup import factory_of
 
     return factory_of(config).build(dict(selection))

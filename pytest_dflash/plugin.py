@@ -2,10 +2,10 @@
 
 Each hook hands its work to the module that owns it (docs/architecture.md has the map):
 
-- ``session``: session state, the route selection, evidence collection and the report;
-- ``collection``: gate markers -> tests parametrized over routes and profile sizes;
-- ``fixtures``: ``dflash_gate`` and the narrower fixtures;
-- ``environment``: device, profile, dtype and the evidence fingerprint.
+- ``session.state``: session state, the route selection, evidence collection and the report;
+- ``session.collection``: gate markers -> tests parametrized over routes and profile sizes;
+- ``session.fixture``: ``dflash_gate`` and the narrower fixtures;
+- ``session.environment``: device, profile, dtype and the evidence fingerprint.
 
 Nothing heavy is imported at load time: torch is imported only when a fixture, the report header
 or the report needs the device, so ``pytest --help`` and unrelated runs stay fast.
@@ -17,72 +17,25 @@ from typing import Any
 
 import pytest
 
-from pytest_dflash import (
-    collection,
-    engine_setup,
-    environment,
-    fixtures,
-    hookspec,
-    progress,
-    reporting,
-    session,
-)
-from pytest_dflash.loader import SIDECAR_ENV
-from pytest_dflash.session import DEFAULT_REPORT
-from pytest_dflash.vocabulary import GATE_KINDS, PROFILES
+from pytest_dflash import settings
+from pytest_dflash.engines import setup as engine_setup
+from pytest_dflash.measure import progress
+from pytest_dflash.routes.vocabulary import GATE_KINDS
+from pytest_dflash.session import collection, environment, fixture, hookspec, saved_runs, state
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
-    """Add the ``pytest_dflash_*`` hook specifications (``pytest_dflash.hookspec``)."""
+    """Add the ``pytest_dflash_*`` hook specifications (``pytest_dflash.session.hookspec``)."""
     pluginmanager.add_hookspecs(hookspec)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """The ``--dflash-*`` options and their ini keys (README "Running the gates")."""
-    group = parser.getgroup("dflash", "pytest-dflash: gate candidate kernel routes")
-    group.addoption("--dflash-device", choices=("auto", "cpu", "cuda"), default=None,
-                    help="device the gates run on (default: ini dflash_device, else auto)")
-    group.addoption("--dflash-profile", choices=PROFILES, default=None,
-                    help="gate sizes: quick | ci | full (default: ci on CPU, full on CUDA)")
-    group.addoption("--dflash-route", action="append", default=[], metavar="NAME",
-                    help="gate only this candidate route (repeatable)")
-    group.addoption("--dflash-gate", action="append", default=[], metavar="ROUTE:KIND",
-                    help="run exactly this gate of this route, e.g. to rerun one failure "
-                         "(repeatable)")
-    group.addoption("--dflash-sidecar", default=None, metavar="PATH",
-                    help=f"explicit D256 op library, used only if the bundled build lacks the "
-                         f"ops (also ${SIDECAR_ENV})")
-    group.addoption("--dflash-report", default=None, metavar="PATH",
-                    help="JSON evidence report (default: ini dflash_report, else "
-                         f"{DEFAULT_REPORT})")
-    group.addoption("--dflash-progress-log", default=None, metavar="DIR",
-                    help="also append the progress of long timing gates to DIR/<process>.log "
-                         "(main, or the xdist worker id such as gw0), under -q and in workers "
-                         "too; DIR is created if missing")
-    group.addoption("--dflash-merge", action="store_true", default=None,
-                    help="merge this run's results into the existing report (same evidence only)")
-    group.addoption("--dflash-strict", action="store_true", default=None,
-                    help="fail the run if a selected candidate is left pending, or a gate's "
-                         "self-test missed a planted defect (CI gate jobs)")
-    group.addoption("--dflash-selftest", action="store_true", default=None,
-                    help="plant the catalogue's defects next to every selected candidate and "
-                         "prove each gate catches them here (docs/selftest.md)")
-    group.addoption("--dflash-allow-unjailed", action="store_true", default=False,
-                    help="score generated code even where no file-system jail can be built "
-                         "(the host's files readable to it); recorded in the report "
-                         "(docs/security.md)")
-    reporting.add_options(group)
-    parser.addini("dflash_device", "default for --dflash-device", default="auto")
-    parser.addini("dflash_profile", "default for --dflash-profile", default="")
-    parser.addini("dflash_report", "default for --dflash-report", default=DEFAULT_REPORT)
-    parser.addini("dflash_strict", "default for --dflash-strict", type="bool", default=False)
-    parser.addini("dflash_merge", "default for --dflash-merge", type="bool", default=False)
-    parser.addini("dflash_selftest", "default for --dflash-selftest", type="bool", default=False)
-    engine_setup.add_options(group, parser)
+    """The ``--dflash-*`` options and their ini keys (``pytest_dflash.settings``)."""
+    settings.add_options(parser)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Declare the markers, register the fixtures, set the session up (``session.start``)."""
+    """Declare the markers, register the fixtures, set the session up (``state.start``)."""
     config.addinivalue_line("markers", "sm70: the SM70 gate suite")
     config.addinivalue_line(
         "markers", "gate(kind, family=None, route=None, per_size=None): a gate test of the given "
@@ -93,13 +46,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "its gate stays pending")
     for kind in GATE_KINDS:
         config.addinivalue_line("markers", f"{kind}: gate tests of kind {kind}")
-    if not config.pluginmanager.is_registered(fixtures):
-        config.pluginmanager.register(fixtures, "dflash-fixtures")
-    engine_setup.register_engine_routes(config)
-    session.start(config)
-    reporting.check_options(config)
+    if not config.pluginmanager.is_registered(fixture):
+        config.pluginmanager.register(fixture, "dflash-fixtures")
+    state.start(config)
+    saved_runs.check_options(config)
     progress.install_for(config)
-    engine_setup.configure(config)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

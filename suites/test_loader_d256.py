@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dflash_suites.support.loader import Outcome, Scenario, library_files, run_scenarios
-from pytest_dflash.loader import file_sha256
+from pytest_dflash.native.loader import file_sha256
 
 pytestmark = pytest.mark.sm70
 

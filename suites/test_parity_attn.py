@@ -1,7 +1,8 @@
 """Parity gate of family attn.d256 (docs/gates.md, "parity").
 
 Every candidate is called through the family contract (``dense`` / ``paged`` writing into a
-caller-owned ``out``, ``pytest_dflash.families.AttnD256``), so another project's route is gated
+caller-owned ``out``, ``pytest_dflash.routes.families.AttnD256``), so another project's route is
+gated
 exactly like the shipped one. Judged against the fp64 oracle with the three-way rule, the
 reference being the candidate's baseline in the same dtype, and by relative L2:
 
@@ -23,7 +24,7 @@ import torch
 
 from dflash_suites.support import ParityLog
 from dflash_suites.support.attn import SCALE, AttnCalls, dense_case, make_qkv, to_pages
-from pytest_dflash.numerics import check_parity, poison_
+from pytest_dflash.measure.numerics import check_parity, poison_
 
 pytestmark = pytest.mark.sm70
 

@@ -1,7 +1,8 @@
 """Parity gates of family gemm.nvfp4 (docs/gates.md, "parity").
 
 Every candidate is called through the family contract (``prepare`` / ``linear`` / ``gate_up``,
-``pytest_dflash.families.GemmNvfp4``), so a route registered by another project is gated exactly
+``pytest_dflash.routes.families.GemmNvfp4``), so a route registered by another project is gated
+exactly
 like a shipped one:
 
 - type B, every candidate: against the fp64 oracle with the three-way rule (reference = the
@@ -41,8 +42,8 @@ from dflash_suites.support.gemm import (
     make_x,
     parity_case,
 )
-from pytest_dflash import hits
-from pytest_dflash.numerics import assert_bitwise_equal
+from pytest_dflash.measure.numerics import assert_bitwise_equal
+from pytest_dflash.native import hits
 
 pytestmark = pytest.mark.sm70
 

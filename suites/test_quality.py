@@ -53,8 +53,8 @@ def complete_tasks(engine, tasks: list[dict], policy, pool: Executor | None) -> 
 
 def score_completion(task: dict, gen, policy) -> dict:
     """The per-task record of one completion: its asserts run in the sandbox, its contract."""
-    from pytest_dflash.quality import check_output_contract
-    from pytest_dflash.sandbox import run_untrusted
+    from pytest_dflash.metrics.quality import check_output_contract
+    from pytest_dflash.sandbox.executor import run_untrusted
 
     program = f"{task['prompt']}{gen.text}\n\n{task['test']}\n"
     result = run_untrusted(program, timeout_s=policy.sandbox_timeout_s,
@@ -78,8 +78,8 @@ def pass_at_1(records: list[dict]) -> float:
 def test_quality_heldout_tasks(dflash_gate):
     """No significant pass@1 regression, no extra contract failures, no fewer natural stops."""
     from pytest_dflash.engines.data import coding_tasks
-    from pytest_dflash.quality import summarize_quality
-    from pytest_dflash.sandbox import SandboxUnavailable, check_permitted
+    from pytest_dflash.metrics.quality import summarize_quality
+    from pytest_dflash.sandbox.executor import SandboxUnavailable, check_permitted
 
     try:  # before generating: without a jail (and no opt-in) the gate stays pending
         isolation = check_permitted()

@@ -1,7 +1,7 @@
 """Speed gate of family attn.d256 (docs/gates.md, "speed"): candidate vs its baseline (torch
 SDPA for the shipped route), a causal prefill of each of the profile's lengths
 (``ProfileSizes.attn_speed_t``), both in one process, interleaved in a seeded random order per
-round, paired ratios with a bootstrap CI (``pytest_dflash.timing.speed_gate``).
+round, paired ratios with a bootstrap CI (``pytest_dflash.measure.timing.speed_gate``).
 
 A benchmark of a silent fallback is a failed gate, not a slower pass: the candidate is called
 through the family contract, which for the native route raises when its ops are not real (the
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dflash_suites.support.attn import SCALE, D
-from pytest_dflash import hits
-from pytest_dflash.numerics import check_parity, poison_
+from pytest_dflash.measure.numerics import check_parity, poison_
+from pytest_dflash.native import hits
 
 pytestmark = pytest.mark.sm70
 
@@ -28,7 +28,7 @@ HQ, HKV = 4, 1  # the target deployment's attention layer: GQA 4
 def test_attn_speed_cold_prefill(dflash_gate, size):
     """Causal prefill of T tokens (Hq=4, Hkv=1, D=256; fp32 on CPU, fp16 on GPU): passes only
     if the CI upper bound of candidate/baseline time is below 1 - min_gain."""
-    from pytest_dflash.timing import speed_gate
+    from pytest_dflash.measure.timing import speed_gate
 
     t, device, dtype = size, dflash_gate.device, dflash_gate.dtype
     impl, base = dflash_gate.impl, dflash_gate.baseline

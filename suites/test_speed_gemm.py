@@ -3,7 +3,8 @@
 The target deployment's evidence was a projection microbenchmark at M = 3296 (fused gate/up
 5120 x 8704 and down 4352 x 5120); these gates time the same two projections, scaled for the
 profile, candidate against its baseline, paired and interleaved through
-``pytest_dflash.timing.speed_gate``. The same pair is also measured through pytest-benchmark's
+``pytest_dflash.measure.timing.speed_gate``. The same pair is also measured through
+pytest-benchmark's
 ``benchmark`` fixture (a separate test) so its JSON output and ``pytest-benchmark compare`` work
 on these runs as well.
 
@@ -18,7 +19,7 @@ import pytest
 
 from dflash_kernels.gemm import FAMILY
 from dflash_suites.support.gemm import GemmPair, check_workspace
-from pytest_dflash import hits
+from pytest_dflash.native import hits
 
 pytestmark = pytest.mark.sm70
 
@@ -29,7 +30,7 @@ SPEED_LAYERS = ("gate_up", "down")
 @pytest.mark.parametrize("layer", SPEED_LAYERS)
 def test_gemm_speed_large_m(dflash_gate, layer):
     """Paired, interleaved candidate/baseline ratio; passes only on a real gain."""
-    from pytest_dflash.timing import speed_gate
+    from pytest_dflash.measure.timing import speed_gate
 
     pair = GemmPair(dflash_gate, layer)
     pair.check_output()
@@ -57,7 +58,7 @@ def test_gemm_benchmark_large_m(dflash_gate, benchmark, layer, side):
 
     pytest-benchmark times wall clock, so on CUDA each timed call ends with a device
     synchronize (``timing.synchronized``): an unsynchronised call would time its launch only."""
-    from pytest_dflash.timing import synchronized
+    from pytest_dflash.measure.timing import synchronized
 
     pair = GemmPair(dflash_gate, layer)
     pair.check_output()

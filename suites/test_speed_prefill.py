@@ -49,7 +49,7 @@ class PrefillRuns:
 @pytest.mark.gate("speed", family="prefill.geometry", per_size="prefill_lengths")
 def test_speed_cold_prefill(dflash_gate, size):
     from pytest_dflash.engines.data import prompt_ids
-    from pytest_dflash.timing import speed_gate
+    from pytest_dflash.measure.timing import speed_gate
 
     route, length = dflash_gate.route, size
     baseline, candidate = dflash_gate.require("prefill_timing", "first_token_hash", "route_hits")

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.sm70
 def test_validation_cost_engine_verify(dflash_gate):
     import torch
 
-    from pytest_dflash import hits
     from pytest_dflash.engines.data import prompt_ids
-    from pytest_dflash.timing import speed_gate
+    from pytest_dflash.measure.timing import speed_gate
+    from pytest_dflash.native import hits
 
     route, policy = dflash_gate.route, dflash_gate.policy
     enabled = dflash_gate.engine(route.name)

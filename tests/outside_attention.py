@@ -4,7 +4,7 @@ the plugin modules they hand to pytester, so both gate the same code."""
 
 import torch
 
-from pytest_dflash import hits
+from pytest_dflash.native import hits
 
 
 class Attention:

@@ -1,13 +1,13 @@
-"""Build real report files (through ``pytest_dflash.report``) for the reporting tests."""
+"""Build real report files (through ``pytest_dflash.evidence.report``) for the reporting tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from pytest_dflash import report as reports
-from pytest_dflash.policy import Policy
-from pytest_dflash.registry import Route
+from pytest_dflash.evidence import report as reports
+from pytest_dflash.routes.registry import Route
+from pytest_dflash.session.policy import Policy
 
 FAST = Route("toy.add.fast", "toy.add", "candidate", baseline="toy.add.base",
              gates=("parity", "speed"))

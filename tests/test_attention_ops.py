@@ -26,7 +26,7 @@ from dflash_kernels.attention import (
     gather_pages,
     reference_attention,
 )
-from pytest_dflash import hits
+from pytest_dflash.native import hits
 
 SCALE = 0.0625
 
@@ -212,7 +212,6 @@ def test_splitkv_refuses_bad_split_count(ops):
 
 BROKEN_CONFTEST = """
 from pytest_dflash import Route
-
 def pytest_dflash_routes(registry):
     for name in ("topleft", "fallback"):
         registry.register(Route(f"attn.d256.{name}", "attn.d256", "candidate",
@@ -223,9 +222,7 @@ def pytest_dflash_routes(registry):
 BROKEN_IMPL = """
 import torch.nn.functional as F
 from dflash_kernels.attention import gather_pages
-from pytest_dflash import hits
-
-
+from pytest_dflash.native import hits
 class TopLeft:
     '''SDPA's is_causal as is: top-left aligned, wrong whenever Tq < Tk.'''
 

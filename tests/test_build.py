@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dflash import build
+from pytest_dflash.native import build
 
 
 def test_cached_library_is_reused_without_rebuilding():
@@ -86,7 +86,8 @@ def test_two_concurrent_builders_share_one_build(tmp_path):
     path, one library results (no temporary files left), and it registers the ops."""
     env = {**os.environ, "DFLASH_CACHE_DIR": str(tmp_path)}
     cmd = [sys.executable, "-c",
-           "import sys; from pytest_dflash.build import main_build; sys.exit(main_build([]))"]
+           "import sys; from pytest_dflash.native.build import main_build; "
+           "sys.exit(main_build([]))"]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     results = [p.communicate(timeout=900) for p in procs]
@@ -146,8 +147,7 @@ def test_cuda_plan_says_why_no_cuda_code_is_built(monkeypatch):
 def test_cuda_sources_get_torch_flags_only_when_they_include_torch(tmp_path):
     """A .cu including ATen directly or through a local header needs torch's include paths
     (the merged CUDA build once failed on qpn_gemm_cuda.cu without them); a plain one does not."""
-    from pytest_dflash import build
-
+    from pytest_dflash.native import build
     (tmp_path / "plain.cu").write_text('#include <cuda_fp16.h>\n#include "plain.h"\n')
     (tmp_path / "plain.h").write_text("#pragma once\n#include <cstdint>\n")
     (tmp_path / "common.h").write_text("#pragma once\n#include <ATen/ATen.h>\n")

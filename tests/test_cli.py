@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 
-from pytest_dflash import cli, fingerprint
-from pytest_dflash import report as reports
-from pytest_dflash.policy import Policy
-from pytest_dflash.registry import Route
-from pytest_dflash.shipped import SHIPPED_ROUTES
-from pytest_dflash.statistics import threshold_for
+from pytest_dflash import cli
+from pytest_dflash.evidence import fingerprint
+from pytest_dflash.evidence import report as reports
+from pytest_dflash.measure.statistics import threshold_for
+from pytest_dflash.routes.registry import Route
+from pytest_dflash.routes.shipped import SHIPPED_ROUTES
+from pytest_dflash.session.policy import Policy
 
 REPO = Path(__file__).resolve().parents[1]
 PACKED = "gemm.nvfp4.qpn2_packed"
@@ -245,7 +246,7 @@ def test_untampered_packed_report_is_rejected_not_corrupt(tmp_path: Path) -> Non
 
 def test_deeply_nested_json_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "deep.json"
-    path.write_text('{"schema": "pytest-dflash/report/1", "x": ' + "[" * 100000 + "]" * 100000
+    path.write_text('{"schema": "pytest-dflash/report/2", "x": ' + "[" * 100000 + "]" * 100000
                     + "}")
     done = _cli("verdict", str(path))
     assert done.returncode == 2, done.stderr[-2000:]
@@ -255,10 +256,10 @@ def test_deeply_nested_json_is_a_clear_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ('{"schema": "pytest-dflash/report/1", "routes": ', "corrupt report, not valid JSON"),
+        ('{"schema": "pytest-dflash/report/2", "routes": ', "corrupt report, not valid JSON"),
         ('{"stats": {}, "machine_info": {}}', "not a pytest-dflash report"),
         ("[1, 2, 3]", "not a pytest-dflash report"),
-        ('{"schema": "pytest-dflash/report/1", "routes": {}}', "field created is missing"),
+        ('{"schema": "pytest-dflash/report/2", "routes": {}}', "field created is missing"),
         (b"\xff\xfe\x00garbage", "cannot read report"),
     ],
 )

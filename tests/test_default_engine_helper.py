@@ -58,15 +58,17 @@ def test_wrapper_plugin_imports_only_the_public_package() -> None:
 
 
 def test_public_package_imports_without_torch() -> None:
-    code = ("import sys, pytest_dflash; assert callable(pytest_dflash.default_engine); "
-            "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    code = (
+        "import sys, pytest_dflash; assert callable(pytest_dflash.default_engine); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
-def test_outside_plugin_wraps_the_default_engine(pytester: pytest.Pytester,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_outside_plugin_wraps_the_default_engine(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from pytest_dflash.engines.data import PPL_FILE, data_dir
 
     pytester.makepyfile(wrapping_plugin=WRAPPER)
@@ -78,14 +80,30 @@ def test_outside_plugin_wraps_the_default_engine(pytester: pytest.Pytester,
     monkeypatch.setenv("WRAP_LOG", str(log))
     report = pytester.path / "r.json"
     result = pytester.runpytest(
-        "-p", "wrapping_plugin", "--pyargs", "dflash_suites", "-m", "ppl",
-        "--dflash-route", "prefill.geometry.fp16_q7920", "--dflash-profile", "quick",
-        "--dflash-data", str(data), "--dflash-report", str(report), "-p", "no:cacheprovider")
+        "-p",
+        "wrapping_plugin",
+        "--pyargs",
+        "dflash_suites",
+        "-m",
+        "ppl",
+        "--dflash-route",
+        "prefill.geometry.fp16_q7920",
+        "--dflash-profile",
+        "quick",
+        "--dflash-data",
+        str(data),
+        "--dflash-report",
+        str(report),
+        "-p",
+        "no:cacheprovider",
+    )
     gate = json.loads(report.read_text())["routes"]["prefill.geometry.fp16_q7920"]["gates"]["ppl"]
     assert gate["status"] == "passed", gate["tests"][0]["message"]
     # both engines the gate used are the wrappers: each scored the two segments
-    assert json.loads(log.read_text()) == {"prefill.geometry.fp32_q3296": 2,
-                                           "prefill.geometry.fp16_q7920": 2}
+    assert json.loads(log.read_text()) == {
+        "prefill.geometry.fp32_q3296": 2,
+        "prefill.geometry.fp16_q7920": 2,
+    }
     assert result.ret == pytest.ExitCode.OK, result.outlines[-20:]
 
 
@@ -93,7 +111,8 @@ def test_default_engine_refuses_an_unknown_route(pytester: pytest.Pytester) -> N
     pytester.makeconftest(
         "import pytest_dflash\n"
         "def test_x(pytestconfig):\n"
-        "    pytest_dflash.default_engine(pytestconfig, {'prefill.geometry': 'nope'})\n")
+        "    pytest_dflash.default_engine(pytestconfig, {'prefill.geometry': 'nope'})\n"
+    )
     pytester.makepyfile(test_x="from conftest import test_x\n")
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.stdout.fnmatch_lines(["*unknown route 'nope'; known routes:*"])

@@ -34,14 +34,3 @@ def test_every_cited_file_exists(doc: Path) -> None:
     missing = [cited for cited, path in _targets(doc) if not path.exists()]
     assert not missing, f"{doc.relative_to(ROOT)} cites what the repository does not hold: " \
                         f"{missing}"
-
-
-def test_architecture_lists_existing_modules() -> None:
-    """Every ``name.py`` with a folder in the module list exists under its package."""
-    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
-    listed = re.findall(r"^\s+((?:engines|selftest|metrics|csrc|support)/[\w/]+\.\w+)", text,
-                        flags=re.MULTILINE)
-    assert listed, "the module list names no file inside a sub-folder"
-    roots = [ROOT / "pytest_dflash", ROOT / "kernels", ROOT / "suites"]
-    missing = [name for name in listed if not any((r / name).exists() for r in roots)]
-    assert not missing, f"docs/architecture.md lists modules that do not exist: {missing}"

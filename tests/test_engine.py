@@ -69,7 +69,7 @@ def test_geometry_routes_are_checked_against_the_family_contract():
     outside project's, or the shipped class from a re-imported module); anything else is
     refused by name."""
     from pytest_dflash import Route
-    from pytest_dflash.shipped import SHIPPED_ROUTES
+    from pytest_dflash.routes.shipped import SHIPPED_ROUTES
 
     class OwnGeometry:  # not pytest_dflash.engines.geometry.Geometry
         name, state_dtype = "prefill.geometry.own", torch.float32

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from pytest_dflash import Family, RegistryError, Route, RouteRegistry
-from pytest_dflash.families import AttnD256, GemmNvfp4, contract_calls
-from pytest_dflash.gate import GateContext, case_seed
-from pytest_dflash.policy import Policy
-from pytest_dflash.profiles import SIZES, per_size_values
-from pytest_dflash.shipped import pytest_dflash_routes as shipped_routes
+from pytest_dflash.routes.families import AttnD256, GemmNvfp4, contract_calls
+from pytest_dflash.routes.shipped import pytest_dflash_routes as shipped_routes
+from pytest_dflash.session.gate import GateContext, case_seed
+from pytest_dflash.session.policy import Policy
+from pytest_dflash.session.profiles import SIZES, per_size_values
 
 
 def _toy(verify_route: str | None = None) -> RouteRegistry:
@@ -76,7 +76,7 @@ def test_contract_check_names_the_missing_calls() -> None:
 
     family = _toy().family_of("toy.mul")
     with pytest.raises(TypeError, match=r"lacks paged; a toy.mul route must implement "
-                                        r"pytest_dflash.families.AttnD256 \(dense, paged\)"):
+                                        r"pytest_dflash.routes.families.AttnD256 \(dense, paged\)"):
         family.check(DenseOnly(), "toy.mul.fast")
 
 
@@ -143,7 +143,6 @@ def test_per_size_values() -> None:
 
 TOY = """
 from pytest_dflash import Route
-
 def pytest_dflash_routes(registry):
     registry.register(Route("toy.mul.base", "toy.mul", "baseline"))
     registry.register(Route("toy.mul.fast", "toy.mul", "candidate", baseline="toy.mul.base",

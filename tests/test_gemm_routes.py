@@ -24,9 +24,9 @@ from dflash_kernels.gemm import (
 from dflash_kernels.nvfp4 import GLOBAL_DIVISOR, NVFP4Weight, quantize
 from dflash_suites.support import check_same_kernels
 from dflash_suites.support.gemm import run_validation_cost
-from pytest_dflash import hits
-from pytest_dflash.numerics import assert_bitwise_equal, check_parity
-from pytest_dflash.policy import Policy
+from pytest_dflash.measure.numerics import assert_bitwise_equal, check_parity
+from pytest_dflash.native import hits
+from pytest_dflash.session.policy import Policy
 
 ROUTES = (TURBOMIND, QPN2, QPN4_BOUNDED, QPN2_PACKED)
 POLICY = Policy()

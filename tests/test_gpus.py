@@ -1,4 +1,4 @@
-"""One GPU per xdist worker (pytest_dflash.gpus and its wiring in pytest_dflash.xdist_gpus).
+"""One GPU per xdist worker (pytest_dflash.xdist.gpus and its wiring in pytest_dflash.xdist.plugin).
 
 No GPU is needed: the assignment is exercised with the test-only fake device count
 (DFLASH_FAKE_GPU_COUNT) through real xdist workers, and the nvidia-smi parsing through a real
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dflash import gpus
+from pytest_dflash.xdist import gpus
 
 H200 = [gpus.Gpu(0, "NVIDIA H200", "GPU-aaaa0000-1111", "9.0"),
         gpus.Gpu(1, "NVIDIA H200", "GPU-bbbb0000-2222", "9.0")]
@@ -159,8 +159,8 @@ def test_a_timing_gate_measured_on_two_card_models_is_taken_back() -> None:
 def test_a_served_engine_started_by_a_gpu_worker_sees_only_its_card(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from pytest_dflash.engines.openai_server import server_env
-    from pytest_dflash.registry import RouteRegistry
-    from pytest_dflash.shipped import SHIPPED_ROUTES
+    from pytest_dflash.routes.registry import RouteRegistry
+    from pytest_dflash.routes.shipped import SHIPPED_ROUTES
 
     registry = RouteRegistry()
     for route in SHIPPED_ROUTES:
@@ -181,8 +181,8 @@ import os
 import subprocess
 import sys
 import pytest
-from pytest_dflash import Route, gpus
-
+from pytest_dflash import Route
+from pytest_dflash.xdist import gpus
 IMPORT_TIME_VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 def pytest_dflash_routes(registry):

@@ -69,7 +69,7 @@ def test_prefill_and_verify_run_on_the_cached_prefix() -> None:
     assert first.prompt_tokens == len(prompt) and first.seconds > 0
     rows = small.verify(draft)
     again = small.verify(draft)  # the prefix is left as it was
-    expected = full_logits(small, ids)[-len(draft):]  # the rows after each draft token
+    expected = full_logits(small, ids)[-len(draft) :]  # the rows after each draft token
     assert rows.shape == (len(draft), small.vocab)
     assert torch.equal(rows, again)
     assert torch.allclose(rows, expected, atol=1e-4)
@@ -126,14 +126,20 @@ def test_bad_model_directory_names_the_fix(tmp_path) -> None:
         hf.check_model_dir(tmp_path / "missing")
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--dflash-engine", "hf:no/such/model"], "*no/such/model: no such directory*"),
-    (["--dflash-engine", "vllm"], "*unknown engine; give 'reference', 'hf'*"),
-    (["--dflash-engine", "hf", "--dflash-engine-url", "baseline=http://h:1"],
-     "*give one of them*"),
-])
-def test_bad_engine_choice_is_a_usage_error(pytester: pytest.Pytester, args: list[str],
-                                            words: str) -> None:
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--dflash-engine", "hf:no/such/model"], "*no/such/model: no such directory*"),
+        (["--dflash-engine", "vllm"], "*unknown engine; give 'reference', 'hf'*"),
+        (
+            ["--dflash-engine", "hf", "--dflash-engine-url", "baseline=http://h:1"],
+            "*give one of them*",
+        ),
+    ],
+)
+def test_bad_engine_choice_is_a_usage_error(
+    pytester: pytest.Pytester, args: list[str], words: str
+) -> None:
     pytester.makepyfile(test_a="def test_a():\n    assert True\n")
     result = pytester.runpytest(*args, "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -157,11 +163,25 @@ def test_ppl_gate_through_the_transformers_engine(pytester: pytest.Pytester) -> 
     pytester.makeini(f"[pytest]\ndflash_engine = hf:{MODEL}\n")
     report = pytester.path / "r.json"
     result = pytester.runpytest(
-        "--pyargs", "dflash_suites", "-m", "ppl", "--dflash-profile", "quick",
-        "--dflash-route", hf.EAGER.name, "--dflash-route", hf.BF16.name,
-        "--dflash-route", "prefill.geometry.fp16_q7920",
-        "--dflash-data", small_data(pytester), "--dflash-report", str(report),
-        "-p", "no:cacheprovider")
+        "--pyargs",
+        "dflash_suites",
+        "-m",
+        "ppl",
+        "--dflash-profile",
+        "quick",
+        "--dflash-route",
+        hf.EAGER.name,
+        "--dflash-route",
+        hf.BF16.name,
+        "--dflash-route",
+        "prefill.geometry.fp16_q7920",
+        "--dflash-data",
+        small_data(pytester),
+        "--dflash-report",
+        str(report),
+        "-p",
+        "no:cacheprovider",
+    )
     routes = json.loads(report.read_text())["routes"]
     eager = routes[hf.EAGER.name]["gates"]["ppl"]
     bf16 = routes[hf.BF16.name]["gates"]["ppl"]

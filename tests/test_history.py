@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from reportmaker import make, timing
 
-from pytest_dflash import history, summary
-from pytest_dflash import report as reports
+from pytest_dflash.evidence import history, summary
+from pytest_dflash.evidence import report as reports
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

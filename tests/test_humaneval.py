@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dflash.humaneval import check_completions, load_problems, problems_file
-from pytest_dflash.policy import Policy
+from pytest_dflash.metrics.humaneval import check_completions, load_problems, problems_file
+from pytest_dflash.session.policy import Policy
 
 POLICY = Policy()
 LIMITS = {"timeout_s": POLICY.sandbox_timeout_s, "memory_mb": POLICY.sandbox_memory_mb}
@@ -20,8 +20,7 @@ LIMITS = {"timeout_s": POLICY.sandbox_timeout_s, "memory_mb": POLICY.sandbox_mem
 def _benchmark_code_may_run_unjailed(monkeypatch):
     """These programs are the benchmark's own solutions and our edits of them, not generated
     code: where no jail can be built (no bubblewrap) they may run without one."""
-    from pytest_dflash import sandbox
-
+    from pytest_dflash.sandbox import executor as sandbox
     if not sandbox.jailed():
         monkeypatch.setenv(sandbox.ALLOW_UNJAILED_ENV, "1")
 

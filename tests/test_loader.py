@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_dflash import build
-from pytest_dflash.loader import (
+from pytest_dflash.native import build
+from pytest_dflash.native.loader import (
     SIDECAR_ENV,
     LoaderError,
     LoaderStatus,
@@ -57,7 +57,7 @@ def test_probe_lists_the_ops_a_library_registers():
     and a test session that already loaded the full build would (rightly) see a clash."""
     library = build.build_library("dense_only")
     ops = run_child("import json\nfrom pathlib import Path\n"
-                    "from pytest_dflash.loader import probe_library\n"
+                    "from pytest_dflash.native.loader import probe_library\n"
                     f"print(json.dumps(probe_library(Path({str(library)!r}))))")
     assert ops == ["dense", "dense_splitkv"]
 
@@ -65,7 +65,7 @@ def test_probe_lists_the_ops_a_library_registers():
 def test_probe_after_the_full_build_reports_the_clash_instead_of_aborting():
     full, dense_only = build.build_library("full"), build.build_library("dense_only")
     status = run_child("import json, torch\nfrom pathlib import Path\n"
-                       "from pytest_dflash.loader import LoaderError, probe_library\n"
+                       "from pytest_dflash.native.loader import LoaderError, probe_library\n"
                        f"torch.ops.load_library({str(full)!r})\n"
                        f"try:\n    probe_library(Path({str(dense_only)!r}))\n"
                        "    print(json.dumps('loaded'))\n"

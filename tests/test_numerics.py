@@ -1,4 +1,5 @@
-"""Unit tests of the shared parity checks (pytest_dflash.numerics) on real torch computations."""
+"""Unit tests of the shared parity checks (pytest_dflash.measure.numerics) on real torch
+computations."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import json
 import pytest
 import torch
 
-from pytest_dflash.numerics import (
+from pytest_dflash.measure.numerics import (
     assert_bitwise_equal,
     assert_parity,
     check_parity,
     poison_,
 )
-from pytest_dflash.policy import Policy
+from pytest_dflash.session.policy import Policy
 
 POLICY = Policy()
 
@@ -108,7 +109,7 @@ def test_nan_never_passes_and_unwritten_output_is_caught():
 def test_rel_l2_catches_systematic_bias_within_elementwise_bound():
     """A sloppy reference (which would loosen the elementwise bound) is refused outright; a
     systematic bias that every element hides under the bound still fails on rel L2."""
-    from pytest_dflash.numerics import ReferenceUnreliable
+    from pytest_dflash.measure.numerics import ReferenceUnreliable
 
     _, _, oracle, _ = _matmul_case()
     sloppy = oracle.float() + 0.05  # would make the bound 2 * 0.05 + floor
@@ -199,7 +200,7 @@ def test_bitwise_equal_distinguishes_signed_zero_and_checks_dtype_and_shape():
 def test_unreliable_reference_is_an_error_not_a_looser_bound():
     """A reference outside the oracle-only limits would widen the candidate's bound; the case
     must raise, naming the reference, even for a candidate that would pass under it."""
-    from pytest_dflash.numerics import ReferenceUnreliable
+    from pytest_dflash.measure.numerics import ReferenceUnreliable
 
     a, b, oracle, reference = _matmul_case()
     cand = _split_k(a, b, chunk=64)

@@ -15,8 +15,6 @@ import pytest
 # the outside project's plugin module: the shared plain-torch attention, then its routes
 ROUTES = Path(__file__).with_name("outside_attention.py").read_text() + '''
 from pytest_dflash import Route
-
-
 def pytest_dflash_routes(registry):
     registry.register(Route("attn.d256.mine", "attn.d256", "candidate",
                             baseline="attn.d256.sdpa", gates=("parity",),

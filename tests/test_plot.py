@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from reportmaker import fingerprint, timing
 
-from pytest_dflash import report as reports
-from pytest_dflash.policy import Policy
-from pytest_dflash.registry import Route
+from pytest_dflash.evidence import report as reports
+from pytest_dflash.routes.registry import Route
+from pytest_dflash.session.policy import Policy
 
 pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is part of the test extra")
 

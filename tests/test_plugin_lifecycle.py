@@ -13,7 +13,6 @@ import pytest
 
 CONFTEST = """
 from pytest_dflash import Route
-
 def pytest_dflash_routes(registry):
     registry.register(Route("toy.add.base", "toy.add", "baseline", impl="toyimpl:base"))
     registry.register(Route("toy.add.fast", "toy.add", "candidate", baseline="toy.add.base",
@@ -209,7 +208,7 @@ def test_policy_quality_batch_below_one_is_a_usage_error(toy: pytest.Pytester) -
 
 
 def test_merge_into_a_corrupt_report_is_refused_and_keeps_the_file(toy: pytest.Pytester) -> None:
-    (toy.path / "dflash-report.json").write_text('{"schema": "pytest-dflash/report/1", "rou')
+    (toy.path / "dflash-report.json").write_text('{"schema": "pytest-dflash/report/2", "rou')
     result = toy.runpytest("-m", "sm70", "--dflash-merge", *ROUTE)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*corrupt report, not valid JSON*left unchanged*"])

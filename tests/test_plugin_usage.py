@@ -9,7 +9,6 @@ import pytest
 
 TOY = """
 from pytest_dflash import Route
-
 def pytest_dflash_routes(registry):
     registry.register(Route("toy.mul.base", "toy.mul", "baseline"))
     registry.register(Route("toy.mul.fast", "toy.mul", "candidate", baseline="toy.mul.base",

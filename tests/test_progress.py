@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dflash import progress
-from pytest_dflash.statistics import paired_compare
+from pytest_dflash.measure import progress
+from pytest_dflash.measure.statistics import paired_compare
 
 
 class Recorder:

@@ -24,8 +24,8 @@ from dflash_kernels.gemm import (
     workspace_bytes_per_tile,
 )
 from dflash_kernels.nvfp4 import NVFP4Weight, dequantize, quantize
-from pytest_dflash import hits
-from pytest_dflash.numerics import assert_bitwise_equal
+from pytest_dflash.measure.numerics import assert_bitwise_equal
+from pytest_dflash.native import hits
 
 
 def _weight(n: int, k: int, seed: int = 0, scale: float = 0.05):

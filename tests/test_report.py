@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dflash import report as reports
-from pytest_dflash.gates import GATE_KINDS, PROFILES, ROLES
-from pytest_dflash.policy import Policy
-from pytest_dflash.registry import Route
-from pytest_dflash.verdict import gate_status, route_verdict
+from pytest_dflash.evidence import report as reports
+from pytest_dflash.evidence.verdict import gate_status, route_verdict
+from pytest_dflash.routes.registry import Route
+from pytest_dflash.routes.vocabulary import GATE_KINDS, PROFILES, ROLES
+from pytest_dflash.session.policy import Policy
 
 ROUTE = Route("toy.a.fast", "toy.a", "candidate", baseline="toy.a.base",
               gates=("parity", "speed"))
@@ -79,7 +79,7 @@ def test_add_test_replaces_by_node_id() -> None:
 
 
 def test_gate_figure_shows_failures_first_then_the_worst_margin() -> None:
-    from pytest_dflash.verdict import gate_figure
+    from pytest_dflash.evidence.verdict import gate_figure
 
     def test(outcome: str, figure: str, rel_l2: float) -> dict:
         return {"outcome": outcome, "measurements": {"figure": figure, "rel_l2": rel_l2,
@@ -98,9 +98,9 @@ def test_the_published_schema_is_valid_and_shipped_with_the_package() -> None:
     from jsonschema import Draft202012Validator
 
     Draft202012Validator.check_schema(reports.schema())
-    assert resources.files("pytest_dflash").joinpath(reports.SCHEMA_FILE).is_file()
+    assert resources.files("pytest_dflash.evidence").joinpath(reports.SCHEMA_FILE).is_file()
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    assert f'"{reports.SCHEMA_FILE}"' in pyproject  # package-data: wheels carry it too
+    assert f'"evidence/{reports.SCHEMA_FILE}"' in pyproject  # package-data: wheels carry it too
 
 
 def test_the_schema_vocabulary_is_the_code_vocabulary() -> None:

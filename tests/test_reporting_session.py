@@ -12,7 +12,6 @@ import pytest
 
 TOY = """
 from pytest_dflash import Route
-
 def pytest_dflash_routes(registry):
     registry.register(Route("toy.mul.base", "toy.mul", "baseline"))
     registry.register(Route("toy.mul.fast", "toy.mul", "candidate", baseline="toy.mul.base",
@@ -109,7 +108,7 @@ import pytest
 
 @pytest.mark.gate("speed", family="toy.mul")
 def test_speed(dflash_route, dflash_record, dflash_policy):
-    from pytest_dflash.timing import speed_gate
+    from pytest_dflash.measure.timing import speed_gate
 
     work = lambda: sum(i * i for i in range(3000))
     speed_gate(work, work, policy=dflash_policy, device="cpu", record=dflash_record,
@@ -119,8 +118,7 @@ def test_speed(dflash_route, dflash_record, dflash_policy):
 
 def test_long_gate_shows_progress_but_not_under_q(pytester: pytest.Pytester,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_dflash import progress
-
+    from pytest_dflash.measure import progress
     monkeypatch.setattr(progress, "DELAY_S", 0.0)  # show progress from the second round on
     pytester.makeconftest(TOY)
     pytester.makepyfile(test_timed=TIMED)
@@ -138,7 +136,7 @@ def test_xdist_workers_show_no_progress(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(TOY)
     pytester.makepyfile(test_w="""
         import os
-        import pytest_dflash.progress as progress
+        import pytest_dflash.measure.progress as progress
 
         def test_worker_has_no_sink():
             assert os.environ.get("PYTEST_XDIST_WORKER")
@@ -160,8 +158,7 @@ def _log(path: Path) -> list[str]:
 
 def test_progress_log_records_a_long_gate_even_under_q(pytester: pytest.Pytester,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_dflash import progress
-
+    from pytest_dflash.measure import progress
     monkeypatch.setattr(progress, "DELAY_S", 0.0)  # show progress from the second round on
     pytester.makeconftest(TOY)
     pytester.makepyfile(test_timed=TIMED)
@@ -190,8 +187,7 @@ FAKE_GATES = """
 import os
 
 import pytest
-from pytest_dflash import progress
-
+from pytest_dflash.measure import progress
 @pytest.mark.parametrize("n", range(4))
 def test_fake_long_gate(n):
     now = [0.0]

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dflash import sandbox, seccomp
-from pytest_dflash.sandbox import SandboxUnavailable, isolation, jailed, run_untrusted
+from pytest_dflash.sandbox import executor as sandbox
+from pytest_dflash.sandbox import seccomp
+from pytest_dflash.sandbox.executor import SandboxUnavailable, isolation, jailed, run_untrusted
 
 LIMITS = {"timeout_s": 5.0, "memory_mb": 256}
 
@@ -683,7 +684,6 @@ def test_unencodable_program_is_a_clear_error():
 
 _TOY_CONFTEST = """
 from pytest_dflash import Route
-
 def pytest_dflash_routes(registry):
     registry.register(Route("toy.add.base", "toy.add", "baseline"))
     registry.register(Route("toy.add.fast", "toy.add", "candidate", baseline="toy.add.base",

@@ -13,12 +13,13 @@ import math
 import pytest
 import torch
 
-from pytest_dflash import hits
-from pytest_dflash.policy import Policy
-from pytest_dflash.registry import RouteRegistry
-from pytest_dflash.selftest import catalogue, summary
+from pytest_dflash.evidence import catch as summary
+from pytest_dflash.native import hits
+from pytest_dflash.routes.registry import RouteRegistry
+from pytest_dflash.routes.shipped import SHIPPED_ROUTES
+from pytest_dflash.selftest import catalogue, wrappers
 from pytest_dflash.selftest.catalogue import Planted, plan
-from pytest_dflash.shipped import SHIPPED_ROUTES
+from pytest_dflash.session.policy import Policy
 
 
 @pytest.fixture
@@ -64,7 +65,7 @@ def test_slowdown_rungs_follow_the_policy(registry):
 
 def test_planted_routes_are_ordinary_candidates(registry):
     for p in plan(registry.candidates(), registry, Policy()):
-        registry.register(catalogue.as_route(p, registry, Policy()))
+        registry.register(wrappers.as_route(p, registry, Policy()))
     registry.validate()
     copy = registry.get("gemm.nvfp4.qpn2_packed~copy")
     assert copy.role == "candidate" and copy.baseline == "gemm.nvfp4.turbomind"
@@ -88,7 +89,7 @@ def _attn(registry, key, base="attn.d256.sdpa"):
     """The planted attention route of ``key`` serving the SDPA route (no native build)."""
     p = _planted(registry, "attn.d256.fa2", key)
     p = Planted(p.name, p.original, registry.get(base), p.defect)
-    return catalogue.as_route(p, registry, Policy()).implementation()
+    return wrappers.as_route(p, registry, Policy()).implementation()
 
 
 def _dense(impl, q, k, v):
@@ -141,7 +142,7 @@ def test_paged_block_off_by_one_reads_the_neighbouring_block(registry):
 # ------------------------------------------------------------------------------ gemm.nvfp4
 
 def _gemm(registry, key, route="gemm.nvfp4.qpn2_packed"):
-    return catalogue.as_route(_planted(registry, route, key), registry, Policy()).implementation()
+    return wrappers.as_route(_planted(registry, route, key), registry, Policy()).implementation()
 
 
 def _weight(n=64, k=128):
@@ -188,7 +189,7 @@ def test_verify_path_defect_sends_verify_widths_to_the_baseline_path(registry):
 @pytest.fixture
 def declared() -> RouteRegistry:
     """The shipped routes with their family declarations (gemm.nvfp4's verify route)."""
-    from pytest_dflash.shipped import pytest_dflash_routes
+    from pytest_dflash.routes.shipped import pytest_dflash_routes
 
     reg = RouteRegistry()
     pytest_dflash_routes(reg)
@@ -198,13 +199,13 @@ def declared() -> RouteRegistry:
 def _install(registry: RouteRegistry, route: str = "gemm.nvfp4.qpn2_packed") -> list[Planted]:
     planted = plan([registry.get(route)], registry, Policy())
     for p in planted:
-        registry.register(catalogue.as_route(p, registry, Policy()))
+        registry.register(wrappers.as_route(p, registry, Policy()))
     registry.validate()
     return planted
 
 
 def _gate(registry: RouteRegistry, name: str):
-    from pytest_dflash.gate import GateContext
+    from pytest_dflash.session.gate import GateContext
 
     return GateContext(route=registry.get(name), kind="validation_cost", registry=registry,
                        policy=Policy(), profile="quick", device=torch.device("cpu"),
@@ -322,7 +323,7 @@ def test_ppl_shift_raises_each_segment_perplexity_by_twice_the_tolerance(registr
 
 
 def test_every_fourth_completion_degenerates(registry, inner_engine):
-    from pytest_dflash.quality import check_output_contract
+    from pytest_dflash.metrics.quality import check_output_contract
 
     eng = _engine(registry, inner_engine, "degenerate")
     gens = [eng.generate("def f(x):\n", 1, ["\n\n"]) for _ in range(5)]
@@ -354,11 +355,17 @@ def _report(gates_by_route, policy=None):
         routes[name] = {"required": required, "gates": {
             kind: {"status": summary_status(t), "figure": "", "tests": t}
             for kind, t in zip(required, tests, strict=True)}}
+        original, sep, key = name.partition("~")
+        if sep:  # a planted route, marked as the self-test marks it
+            slowdown = (float(key.removeprefix("slow_").removesuffix("pct")) / 100
+                        if key.startswith("slow_") else None)
+            routes[name]["planted"] = {"from": original, "defect": key, "what": "",
+                                       "slowdown": slowdown}
     return {"routes": routes, "policy": policy or Policy().as_dict()}
 
 
 def summary_status(tests):
-    from pytest_dflash.verdict import gate_status
+    from pytest_dflash.evidence.verdict import gate_status
 
     return gate_status(tests)
 

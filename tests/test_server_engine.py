@@ -23,8 +23,8 @@ from pytest_dflash.engines.openai_server import (
     server_env,
     switches_for,
 )
-from pytest_dflash.registry import Route, RouteRegistry
-from pytest_dflash.shipped import SHIPPED_ROUTES
+from pytest_dflash.routes.registry import Route, RouteRegistry
+from pytest_dflash.routes.shipped import SHIPPED_ROUTES
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")

@@ -1,4 +1,5 @@
-"""Calibration and unit tests of pytest_dflash.statistics with deterministic synthetic timers.
+"""Calibration and unit tests of pytest_dflash.measure.statistics with deterministic synthetic
+timers.
 
 A "timer" here is a zero-argument callable returning a synthetic duration drawn from a seeded
 generator (5% multiplicative lognormal noise around a true mean): no sleeping, no wall clock.
@@ -15,8 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from pytest_dflash.policy import Policy
-from pytest_dflash.statistics import (
+from pytest_dflash.measure.statistics import (
     PairedResult,
     bootstrap_ci,
     max_rounds_for,
@@ -26,6 +26,7 @@ from pytest_dflash.statistics import (
     paired_compare,
     threshold_for,
 )
+from pytest_dflash.session.policy import Policy
 
 POLICY = Policy()
 NOISE = 0.05  # sigma of the log of each timed run: 5% multiplicative lognormal noise

@@ -1,4 +1,4 @@
-"""Tests of pytest_dflash.timing on real, cheap workloads with an unmistakable difference.
+"""Tests of pytest_dflash.measure.timing on real, cheap workloads with an unmistakable difference.
 
 The workloads are numpy sums of 2e5 vs 2e6 numbers (10x the work); the tests check decisions,
 outcomes, records and call counts, never a wall-clock value.
@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from pytest_dflash.policy import Policy, PolicyError
-from pytest_dflash.statistics import PairedResult
-from pytest_dflash.timing import (
+from pytest_dflash.measure.statistics import PairedResult
+from pytest_dflash.measure.timing import (
     calls_per_sample,
     cpu_timer,
     cuda_timer,
@@ -24,6 +23,7 @@ from pytest_dflash.timing import (
     synchronized,
     timer_for,
 )
+from pytest_dflash.session.policy import Policy, PolicyError
 
 POLICY = Policy()
 SMALL = np.random.default_rng(0).random(200_000)

@@ -2,7 +2,8 @@
 
 The JSONL files ship in ``dflash_fixtures/data`` and are read with ``datasets`` (offline: the
 hub is never asked), so a real engine's project can point the same gates at its own JSONL files.
-How much of them a profile uses is declared with every other size in ``pytest_dflash.profiles``.
+How much of them a profile uses is declared with every other size in
+``pytest_dflash.session.profiles``.
 """
 
 from __future__ import annotations
@@ -13,13 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pytest_dflash.profiles import SIZES as SIZES  # former home of the table: re-exported
-from pytest_dflash.profiles import ProfileSizes, sizes
-
-# Former name of the per-profile sizes, which now live in pytest_dflash.profiles with every
-# other profile-dependent size; kept for code that imported it from here.
-Sizes = ProfileSizes
-
+from pytest_dflash.session.profiles import sizes
 
 PPL_FILE = "ppl_segments.jsonl"
 TASKS_FILE = "coding_tasks.jsonl"

@@ -38,7 +38,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pytest_dflash import gpus
 from pytest_dflash.engines import (
     Capabilities,
     EngineUnsupported,
@@ -46,6 +45,7 @@ from pytest_dflash.engines import (
     PrefillResult,
     Sampling,
 )
+from pytest_dflash.xdist import gpus
 
 STOP_LIMIT = 4  # the OpenAI completions API takes at most four stop sequences
 SELECTION_ENV = "DFLASH_ROUTES"  # names of the enabled routes, so a server can check its switches

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pytest_dflash import hits
 from pytest_dflash.engines import IN_PROCESS, Generation, PrefillResult, Sampling
 from pytest_dflash.engines.geometry import KV_BLOCK_SIZE
 from pytest_dflash.engines.model import (
@@ -37,6 +36,7 @@ from pytest_dflash.engines.model import (
     ssm_mixer,
 )
 from pytest_dflash.engines.tokenizer import BOS, EOS, decode, encode
+from pytest_dflash.native import hits
 
 ATTN, GEMM, GEOMETRY = "attn.d256", "gemm.nvfp4", "prefill.geometry"
 FAMILIES = (ATTN, GEMM, GEOMETRY)
@@ -64,8 +64,8 @@ def _checkpoint(path: str, mtime_ns: int, size: int) -> tuple[ModelConfig, dict[
 
 def _resolve(selection: Mapping[str, str], registry: Any) -> dict[str, tuple[str, Any]]:
     if registry is None:
-        from pytest_dflash.registry import RouteRegistry
-        from pytest_dflash.shipped import SHIPPED_ROUTES
+        from pytest_dflash.routes.registry import RouteRegistry
+        from pytest_dflash.routes.shipped import SHIPPED_ROUTES
 
         registry = RouteRegistry()
         for route in SHIPPED_ROUTES:

@@ -47,7 +47,7 @@ from pytest_dflash.engines import (
     PrefillResult,
     Sampling,
 )
-from pytest_dflash.registry import Route
+from pytest_dflash.routes.registry import Route
 
 GEOMETRY = "prefill.geometry"
 BASELINE = f"{GEOMETRY}.fp32_q3296"
@@ -74,8 +74,11 @@ def missing_library() -> str | None:
     """Why the engine cannot run here (transformers or tokenizers missing), None if it can."""
     import importlib.util
 
-    absent = [m for m in ("transformers", "tokenizers", "safetensors")
-              if importlib.util.find_spec(m) is None]
+    absent = [
+        m
+        for m in ("transformers", "tokenizers", "safetensors")
+        if importlib.util.find_spec(m) is None
+    ]
     if absent:
         return f"{', '.join(absent)} not installed: {INSTALL_HINT}"
     return None
@@ -85,14 +88,20 @@ def check_model_dir(path: str | Path) -> Path:
     """``path`` must be a local transformers model directory (config.json and a tokenizer)."""
     model = Path(path).expanduser()
     if not model.is_dir():
-        raise EngineError(f"--dflash-engine hf:{path}: no such directory; give a local "
-                          "Hugging Face model directory (config.json, weights, tokenizer)")
+        raise EngineError(
+            f"--dflash-engine hf:{path}: no such directory; give a local "
+            "Hugging Face model directory (config.json, weights, tokenizer)"
+        )
     if not (model / "config.json").is_file():
-        raise EngineError(f"--dflash-engine hf:{path}: no config.json there; give the directory "
-                          "save_pretrained() wrote")
+        raise EngineError(
+            f"--dflash-engine hf:{path}: no config.json there; give the directory "
+            "save_pretrained() wrote"
+        )
     if not any((model / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise EngineError(f"--dflash-engine hf:{path}: no tokenizer files there; save the "
-                          "model's tokenizer next to it (tokenizer.save_pretrained(PATH))")
+        raise EngineError(
+            f"--dflash-engine hf:{path}: no tokenizer files there; save the "
+            "model's tokenizer next to it (tokenizer.save_pretrained(PATH))"
+        )
     return model.resolve()
 
 
@@ -100,8 +109,10 @@ def quanto_missing() -> str | None:
     """Probe of the quantized-cache routes: the optimum-quanto backend must be installed."""
     import importlib.util
 
-    if importlib.util.find_spec("optimum") is None or \
-            importlib.util.find_spec("optimum.quanto") is None:
+    if (
+        importlib.util.find_spec("optimum") is None
+        or importlib.util.find_spec("optimum.quanto") is None
+    ):
         return "the quantized KV cache needs optimum-quanto: pip install optimum-quanto"
     return None
 
@@ -122,15 +133,18 @@ class HFSettings:
 
     def __post_init__(self) -> None:
         if self.attn_implementation not in ATTENTION:
-            raise ValueError(f"{self.name}: attention {self.attn_implementation!r} is not one "
-                             f"of {ATTENTION}")
+            raise ValueError(
+                f"{self.name}: attention {self.attn_implementation!r} is not one of {ATTENTION}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"{self.name}: dtype {self.dtype!r} is not one of {DTYPES}")
         if self.cache not in CACHES:
             raise ValueError(f"{self.name}: cache {self.cache!r} is not one of {CACHES}")
         if (self.cache == "quantized") != bool(self.cache_backend and self.cache_nbits):
-            raise ValueError(f"{self.name}: a quantized cache needs cache_backend and "
-                             "cache_nbits, other caches neither")
+            raise ValueError(
+                f"{self.name}: a quantized cache needs cache_backend and "
+                "cache_nbits, other caches neither"
+            )
 
     @property
     def state_dtype(self) -> Any:
@@ -143,8 +157,9 @@ class HFSettings:
         from pytest_dflash.engines.geometry import PROFILE_DIVISOR
 
         if profile not in PROFILE_DIVISOR:
-            raise ValueError(f"unknown profile {profile!r} for {self.name}; known: "
-                             f"{', '.join(PROFILE_DIVISOR)}")
+            raise ValueError(
+                f"unknown profile {profile!r} for {self.name}; known: {', '.join(PROFILE_DIVISOR)}"
+            )
         return max(1, self.full_chunk // PROFILE_DIVISOR[profile])
 
 
@@ -153,17 +168,28 @@ EAGER = HFSettings(f"{GEOMETRY}.hf_eager", attn_implementation="eager")
 BF16 = HFSettings(f"{GEOMETRY}.hf_bf16", dtype="bfloat16")
 Q824 = HFSettings(f"{GEOMETRY}.hf_q824", full_chunk=824)
 STATIC_CACHE = HFSettings(f"{GEOMETRY}.hf_static_cache", cache="static")
-KV_QUANTO_INT4 = HFSettings(f"{GEOMETRY}.hf_kv_quanto_int4", cache="quantized",
-                            cache_backend="quanto", cache_nbits=4)
-KV_QUANTO_INT2 = HFSettings(f"{GEOMETRY}.hf_kv_quanto_int2", cache="quantized",
-                            cache_backend="quanto", cache_nbits=2)
+KV_QUANTO_INT4 = HFSettings(
+    f"{GEOMETRY}.hf_kv_quanto_int4", cache="quantized", cache_backend="quanto", cache_nbits=4
+)
+KV_QUANTO_INT2 = HFSettings(
+    f"{GEOMETRY}.hf_kv_quanto_int2", cache="quantized", cache_backend="quanto", cache_nbits=2
+)
 
 
-def _route(settings_attr: str, gates: tuple[str, ...], description: str,
-           probe: str | None = None) -> Route:
+def _route(
+    settings_attr: str, gates: tuple[str, ...], description: str, probe: str | None = None
+) -> Route:
     settings = globals()[settings_attr]
-    return Route(settings.name, GEOMETRY, "candidate", baseline=BASELINE, gates=gates,
-                 impl=f"{_MOD}:{settings_attr}", probe=probe, description=description)
+    return Route(
+        settings.name,
+        GEOMETRY,
+        "candidate",
+        baseline=BASELINE,
+        gates=gates,
+        impl=f"{_MOD}:{settings_attr}",
+        probe=probe,
+        description=description,
+    )
 
 
 # Candidates of the transformers engine; their baseline is the family's (sdpa attention, the
@@ -172,12 +198,19 @@ ROUTES: tuple[Route, ...] = (
     _route("EAGER", ("ppl", "quality", "speed"), "transformers eager attention (baseline sdpa)"),
     _route("BF16", ("ppl", "quality", "speed"), "compute in bfloat16 (baseline float32)"),
     _route("Q824", ("ppl", "speed"), "prefill chunks a quarter of the baseline's"),
-    _route("STATIC_CACHE", ("ppl", "quality"), "transformers StaticCache (baseline "
-           "DynamicCache)"),
-    _route("KV_QUANTO_INT4", ("ppl", "quality"), "QuantizedCache, optimum-quanto int4",
-           probe=f"{_MOD}:quanto_missing"),
-    _route("KV_QUANTO_INT2", ("ppl", "quality"), "QuantizedCache, optimum-quanto int2",
-           probe=f"{_MOD}:quanto_missing"),
+    _route("STATIC_CACHE", ("ppl", "quality"), "transformers StaticCache (baseline DynamicCache)"),
+    _route(
+        "KV_QUANTO_INT4",
+        ("ppl", "quality"),
+        "QuantizedCache, optimum-quanto int4",
+        probe=f"{_MOD}:quanto_missing",
+    ),
+    _route(
+        "KV_QUANTO_INT2",
+        ("ppl", "quality"),
+        "QuantizedCache, optimum-quanto int2",
+        probe=f"{_MOD}:quanto_missing",
+    ),
 )
 
 
@@ -192,7 +225,7 @@ def default_registry() -> Any:
     """The shipped routes plus :data:`ROUTES`: what an engine built outside a pytest session
     (``build(..., registry=None)``) resolves route names against."""
     from pytest_dflash import shipped
-    from pytest_dflash.registry import RouteRegistry
+    from pytest_dflash.routes.registry import RouteRegistry
 
     registry = RouteRegistry()
     shipped.pytest_dflash_routes(registry)
@@ -214,7 +247,8 @@ def settings_for(selection: Mapping[str, str], registry: Any) -> tuple[str, HFSe
             raise EngineUnsupported(
                 f"the transformers engine runs the model's own layers: route {name} of family "
                 f"{family} cannot be switched in it (only {GEOMETRY} routes can); gate it with "
-                "the reference engine (no --dflash-engine)")
+                "the reference engine (no --dflash-engine)"
+            )
     name = selection.get(GEOMETRY, BASELINE)
     impl = registry.get(name).implementation()
     if isinstance(impl, HFSettings):
@@ -226,10 +260,13 @@ def settings_for(selection: Mapping[str, str], registry: Any) -> tuple[str, HFSe
             raise EngineUnsupported(
                 f"route {name} stores an SSM state in {impl.state_dtype}; a transformers model "
                 "has no SSM state, so the route cannot be applied (select hf routes with "
-                "--dflash-route prefill.geometry.hf_...)")
+                "--dflash-route prefill.geometry.hf_...)"
+            )
         return name, HFSettings(name, full_chunk=impl.full_chunk)
-    raise EngineUnsupported(f"route {name}: its implementation {impl!r:.80} is neither a "
-                            "prefill geometry nor pytest_dflash.engines.transformers.HFSettings")
+    raise EngineUnsupported(
+        f"route {name}: its implementation {impl!r:.80} is neither a "
+        "prefill geometry nor pytest_dflash.engines.transformers.HFSettings"
+    )
 
 
 class TransformersEngine:
@@ -237,8 +274,14 @@ class TransformersEngine:
 
     capabilities = IN_PROCESS  # full logits, verify on the cached prefix, own hits, timing
 
-    def __init__(self, model_path: str | Path, selection: Mapping[str, str], profile: str,
-                 device: str = "cpu", registry: Any = None) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        selection: Mapping[str, str],
+        profile: str,
+        device: str = "cpu",
+        registry: Any = None,
+    ) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         reason = missing_library()
@@ -255,13 +298,21 @@ class TransformersEngine:
         self.chunk = self.settings.chunk(profile)
         dtype = getattr(torch, self.settings.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.path, dtype=dtype, attn_implementation=self.settings.attn_implementation,
-        ).to(self.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(
+                self.path,
+                dtype=dtype,
+                attn_implementation=self.settings.attn_implementation,
+            )
+            .to(self.device)
+            .eval()
+        )
         ran = getattr(self.model.config, "_attn_implementation", None)
         if ran != self.settings.attn_implementation:
-            raise EngineError(f"{self.route}: asked transformers for attention "
-                              f"{self.settings.attn_implementation!r}, the model runs {ran!r}")
+            raise EngineError(
+                f"{self.route}: asked transformers for attention "
+                f"{self.settings.attn_implementation!r}, the model runs {ran!r}"
+            )
         # the cache argument's name: ``cache`` from transformers 5.x on, ``past_key_values``
         # before (the older name is deprecated there)
         import inspect
@@ -281,8 +332,11 @@ class TransformersEngine:
         if self.settings.cache == "static":
             return StaticCache(config=self.model.config, max_cache_len=max_len)
         if self.settings.cache == "quantized":
-            return QuantizedCache(self.settings.cache_backend, config=self.model.config,
-                                  nbits=self.settings.cache_nbits)
+            return QuantizedCache(
+                self.settings.cache_backend,
+                config=self.model.config,
+                nbits=self.settings.cache_nbits,
+            )
         return DynamicCache(config=self.model.config)
 
     def _hit(self, op: str, cache: Any) -> None:
@@ -301,8 +355,10 @@ class TransformersEngine:
             raise EngineError(f"{what} needs at least one token id, got an empty list")
         bad = [t for t in ids if not 0 <= t < self.vocab]
         if bad:
-            raise EngineError(f"{what}: token ids {bad[:5]} are outside the vocabulary "
-                              f"0..{self.vocab - 1} of {self.path.name}")
+            raise EngineError(
+                f"{what}: token ids {bad[:5]} are outside the vocabulary "
+                f"0..{self.vocab - 1} of {self.path.name}"
+            )
         return ids
 
     def _run_chunks(self, ids: list[int], cache: Any, all_logits: bool) -> tuple[list[Any], int]:
@@ -311,10 +367,13 @@ class TransformersEngine:
         outs, chunks = [], 0
         with torch.inference_mode():
             for start in range(0, len(ids), self.chunk):
-                piece = torch.tensor([ids[start:start + self.chunk]], device=self.device)
-                out = self.model(input_ids=piece, use_cache=True,
-                                 logits_to_keep=0 if all_logits else 1,
-                                 **{self._cache_arg: cache})
+                piece = torch.tensor([ids[start : start + self.chunk]], device=self.device)
+                out = self.model(
+                    input_ids=piece,
+                    use_cache=True,
+                    logits_to_keep=0 if all_logits else 1,
+                    **{self._cache_arg: cache},
+                )
                 outs.append(out.logits[0])
                 chunks += 1
                 self._hit("chunk", cache)
@@ -361,9 +420,13 @@ class TransformersEngine:
         seconds = time.perf_counter() - t0
         logits = outs[-1][-1].float().cpu()
         self._cache, self._prefix = cache, ids
-        return PrefillResult(int(logits.argmax()),
-                             hashlib.sha256(logits.numpy().tobytes()).hexdigest(),
-                             len(ids), seconds, chunks)
+        return PrefillResult(
+            int(logits.argmax()),
+            hashlib.sha256(logits.numpy().tobytes()).hexdigest(),
+            len(ids),
+            seconds,
+            chunks,
+        )
 
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token i+1 | tokens 0..i) for every i, from all logits of a fresh cache."""
@@ -377,8 +440,13 @@ class TransformersEngine:
         target = torch.tensor(ids[1:], device=logp.device)
         return logp.gather(1, target[:, None])[:, 0].cpu().tolist()
 
-    def generate(self, prompt: str, max_new_tokens: int, stop: list[str] | None = None,
-                 sampling: Sampling | None = None) -> Generation:
+    def generate(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        stop: list[str] | None = None,
+        sampling: Sampling | None = None,
+    ) -> Generation:
         """Complete ``prompt`` with ``model.generate()`` (the model's BOS, the route's cache);
         the text is cut at the first stop string."""
         import torch
@@ -387,35 +455,44 @@ class TransformersEngine:
             raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampling = sampling or Sampling()
         if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
-            raise EngineError(f"sampling needs temperature >= 0 and 0 < top_p <= 1, got "
-                              f"{sampling.temperature} and {sampling.top_p}")
+            raise EngineError(
+                f"sampling needs temperature >= 0 and 0 < top_p <= 1, got "
+                f"{sampling.temperature} and {sampling.top_p}"
+            )
         stop = [s for s in (stop or []) if s]
         ids = self._check_ids(self.encode(prompt, add_special_tokens=True), "generate")
         cache = self._new_cache(len(ids) + max_new_tokens + 1)
         kwargs: dict[str, Any] = {"do_sample": False}
         if sampling.temperature > 0:
             torch.manual_seed(sampling.seed)
-            kwargs = {"do_sample": True, "temperature": sampling.temperature,
-                      "top_p": sampling.top_p, "top_k": 0}
+            kwargs = {
+                "do_sample": True,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": 0,
+            }
         if stop:
             kwargs["stopping_criteria"] = self._stop_in_completion(len(ids), stop)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
-            else self.eos
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=torch.tensor([ids], device=self.device),
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=self.device),
-                max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=self.eos,
-                **{self._cache_arg: cache}, **kwargs)
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad,
+                eos_token_id=self.eos,
+                **{self._cache_arg: cache},
+                **kwargs,
+            )
         self._hit("generate", cache)
-        new = out[0, len(ids):].tolist()
+        new = out[0, len(ids) :].tolist()
         finish = "length"
         if self.eos is not None and self.eos in new:
-            new, finish = new[:new.index(self.eos)], "stop"
+            new, finish = new[: new.index(self.eos)], "stop"
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         hit = [text.index(s) for s in stop if s in text]
         if hit:
-            text, finish = text[:min(hit)], "stop"
+            text, finish = text[: min(hit)], "stop"
         return Generation(text, new, finish)
 
     def verify(self, draft_ids: list[int]) -> Any:
@@ -430,8 +507,9 @@ class TransformersEngine:
 
         ids = self._check_ids(draft_ids, "verify")
         if len(ids) > MAX_VERIFY_ROWS:
-            raise EngineError(f"verify takes at most {MAX_VERIFY_ROWS} draft tokens, got "
-                              f"{len(ids)}")
+            raise EngineError(
+                f"verify takes at most {MAX_VERIFY_ROWS} draft tokens, got {len(ids)}"
+            )
         if self._cache is None:
             raise EngineError("verify needs a cached prefix: call prefill(prompt_ids) first")
         cache = self._cache
@@ -439,8 +517,12 @@ class TransformersEngine:
             cache = self._new_cache(len(self._prefix) + MAX_VERIFY_ROWS)
             self._run_chunks(self._prefix, cache, all_logits=False)
         with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True,
-                             logits_to_keep=0, **{self._cache_arg: cache})
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device),
+                use_cache=True,
+                logits_to_keep=0,
+                **{self._cache_arg: cache},
+            )
         if cache is self._cache:
             cache.crop(-len(ids))  # drop the draft rows again
         self._hit("verify", cache)
@@ -455,12 +537,19 @@ class TransformersEngine:
         return dict(self._hits)
 
     def __repr__(self) -> str:
-        return (f"<TransformersEngine {self.path.name} {self.route} "
-                f"({self.settings.attn_implementation}, {self.settings.dtype}, "
-                f"{self.settings.cache} cache, chunk {self.chunk}) device={self.device}>")
+        return (
+            f"<TransformersEngine {self.path.name} {self.route} "
+            f"({self.settings.attn_implementation}, {self.settings.dtype}, "
+            f"{self.settings.cache} cache, chunk {self.chunk}) device={self.device}>"
+        )
 
 
-def build(model_path: str | Path, selection: Mapping[str, str], profile: str,
-          device: str = "cpu", registry: Any = None) -> TransformersEngine:
+def build(
+    model_path: str | Path,
+    selection: Mapping[str, str],
+    profile: str,
+    device: str = "cpu",
+    registry: Any = None,
+) -> TransformersEngine:
     """The transformers engine of ``model_path`` for a family -> route selection."""
     return TransformersEngine(model_path, selection, profile, device, registry)

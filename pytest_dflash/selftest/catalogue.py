@@ -40,15 +40,14 @@ is the same as for the route itself. Only the planted defect differs between the
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_dflash.registry import Route
+from pytest_dflash.evidence.catch import COPY
+from pytest_dflash.routes.registry import Route
 
 SEPARATOR = "~"
-COPY = "copy"
 PASS_THROUGH = "passthrough"  # the verify route behind the planted routes' wrapper, no defect
 ATTN, GEMM, GEOMETRY = "attn.d256", "gemm.nvfp4", "prefill.geometry"
 PARITY_SCALE = 1.0 + 2.0**-9
@@ -57,7 +56,6 @@ VERIFY_COST = 0.02
 SPEED_RUNGS = (0.03, 0.10)  # besides the policy's min gain, which is always the first rung
 # Gate kinds with planted defects; the loader gate's scenarios are real library files already.
 KINDS = ("parity", "speed", "validation_cost", "ppl", "quality")
-TIMING_KINDS = ("speed", "validation_cost")
 
 
 @dataclass(frozen=True)
@@ -80,7 +78,8 @@ def _pct(fraction: float) -> str:
 
 
 def catalogue(policy: Any) -> tuple[Defect, ...]:
-    """Every defect of the catalogue, sized from ``policy`` (a ``pytest_dflash.policy.Policy``)."""
+    """Every defect of the catalogue, sized from ``policy`` (a
+    ``pytest_dflash.session.policy.Policy``)."""
     ops = frozenset({ATTN, GEMM})
     speed = frozenset({ATTN, GEMM, GEOMETRY})
     defects = [
@@ -155,6 +154,12 @@ class Planted:
         check compares the candidate's hits with the verify route's, as for the route itself."""
         return self.serves.name if self.pass_through else self.name
 
+    def record(self) -> dict[str, Any]:
+        """The report's ``planted`` field of this route, which marks it as planted for every
+        output (``pytest_dflash.evidence.catch`` builds the catch table from it)."""
+        return {"from": self.original.name, "defect": self.key, "what": self.what,
+                "slowdown": self.defect.slowdown if self.defect is not None else None}
+
 
 def planted_name(route_name: str, key: str) -> str:
     return f"{route_name}{SEPARATOR}{key}"
@@ -164,12 +169,6 @@ def original_of(name: str) -> str | None:
     """The route a self-test route was planted from, or None for an ordinary route."""
     original, sep, _ = name.rpartition(SEPARATOR)
     return original if sep else None
-
-
-def verdict_routes(routes: dict[str, Any]) -> dict[str, Any]:
-    """A report's routes without the planted ones: what verdicts, exit statuses and enable
-    switches are about (planted routes are judged in the self-test's own table)."""
-    return {name: entry for name, entry in routes.items() if original_of(name) is None}
 
 
 def plan(candidates: Iterable[Route], registry: Any, policy: Any) -> list[Planted]:
@@ -199,23 +198,3 @@ def pass_through_of(planted: Planted, registry: Any) -> str | None:
         return None
     verify = registry.family_of(planted.original.family).verify_route
     return planted_name(verify, PASS_THROUGH) if verify is not None else None
-
-
-def as_route(planted: Planted, registry: Any, policy: Any) -> Route:
-    """The ordinary route record of a planted route (implementation wrapped lazily)."""
-    from pytest_dflash.selftest.wrappers import implementation_for
-
-    original = planted.original
-    if planted.pass_through:  # a comparator of the planted routes' gates, never judged itself
-        return Route(planted.name, original.family, "baseline",
-                     impl=implementation_for(planted, registry, policy), probe=original.probe,
-                     description=f"self-test: {original.name} behind the planted routes' wrapper")
-    engine = {family: planted.name if name == original.name else name
-              for family, name in original.engine.items()}
-    return Route(
-        planted.name, original.family, "candidate",
-        baseline=original.baseline or registry.family_of(original.family).baseline,
-        gates=planted.gates, impl=implementation_for(planted, registry, policy), engine=engine,
-        probe=original.probe, switch=re.sub(r"\W", "_", f"DFLASH_SELFTEST_{planted.name}").upper(),
-        description=f"self-test of {original.name}: {planted.what}",
-        verify_route=pass_through_of(planted, registry))

@@ -4,7 +4,8 @@
 catalogue defects as ordinary candidate routes (``catalogue.plan``) and selects them next to it,
 so the shipped suites parametrize over them like over any route. Engines for planted
 prefill.geometry routes are wrapped here (``engine.build``). After the run the report gains the
-``selftest`` section (``summary.summarize``).
+``selftest`` section (``pytest_dflash.evidence.catch``), built from each planted route's
+``planted`` field.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pytest_dflash.selftest import catalogue, engine
+from pytest_dflash.selftest import catalogue, engine, wrappers
 
 
 class SelftestSession:
@@ -23,6 +24,7 @@ class SelftestSession:
         self.config = config
         self.policy = policy
         self.planted: dict[str, catalogue.Planted] = {}
+        self.records: dict[str, dict[str, Any]] = {}  # the report's ``planted`` field per route
 
     def install(self, registry: Any, candidates: list[Any], selected_routes: set[str],
                 selected_gates: set[tuple[str, str]]) -> list[str]:
@@ -31,8 +33,9 @@ class SelftestSession:
         Returns the planted route names. A selection by route or by ``ROUTE:KIND`` carries over
         to the planted routes of the selected routes (and only the selected kinds)."""
         for planted in catalogue.plan(candidates, registry, self.policy):
-            registry.register(catalogue.as_route(planted, registry, self.policy))
+            registry.register(wrappers.as_route(planted, registry, self.policy))
             self.planted[planted.name] = planted
+            self.records[planted.name] = planted.record()
             original = planted.original.name
             if selected_routes:
                 selected_routes.add(planted.name)
@@ -65,9 +68,10 @@ class SelftestSession:
 
 def start(config: pytest.Config, state: Any) -> SelftestSession:
     """Plant the self-test routes of the session's selected candidates and register the
-    self-test's hooks (``state`` is the session's ``pytest_dflash.session.DflashState``)."""
+    self-test's hooks (``state`` is the session's ``pytest_dflash.session.state.DflashState``)."""
     selftest = SelftestSession(config, state.policy)
     selftest.install(state.registry, state.candidates(), state.selected_routes,
                      state.selected_gates)
+    state.planted.update(selftest.records)
     config.pluginmanager.register(selftest, "dflash-selftest")
     return selftest

@@ -14,16 +14,19 @@ planted route with it measures the planted defect, not the wrapper.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
-from pytest_dflash import hits
+from pytest_dflash.native import hits
+from pytest_dflash.routes.registry import Route
 from pytest_dflash.selftest.catalogue import (
     ATTN,
     GEMM,
     GEOMETRY,
     PARITY_SCALE,
     Planted,
+    pass_through_of,
 )
 from pytest_dflash.selftest.slowdown import Slowdown
 
@@ -185,3 +188,21 @@ def implementation_for(planted: Planted, registry: Any, policy: Any) -> Any:
     if family == GEOMETRY:
         return planted.serves.impl
     raise ValueError(f"the self-test has no catalogue for family {family!r}")
+
+
+def as_route(planted: Planted, registry: Any, policy: Any) -> Route:
+    """The ordinary route record of a planted route (implementation wrapped lazily)."""
+    original = planted.original
+    if planted.pass_through:  # a comparator of the planted routes' gates, never judged itself
+        return Route(planted.name, original.family, "baseline",
+                     impl=implementation_for(planted, registry, policy), probe=original.probe,
+                     description=f"self-test: {original.name} behind the planted routes' wrapper")
+    engine = {family: planted.name if name == original.name else name
+              for family, name in original.engine.items()}
+    return Route(
+        planted.name, original.family, "candidate",
+        baseline=original.baseline or registry.family_of(original.family).baseline,
+        gates=planted.gates, impl=implementation_for(planted, registry, policy), engine=engine,
+        probe=original.probe, switch=re.sub(r"\W", "_", f"DFLASH_SELFTEST_{planted.name}").upper(),
+        description=f"self-test of {original.name}: {planted.what}",
+        verify_route=pass_through_of(planted, registry))

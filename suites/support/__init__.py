@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pytest_dflash import hits
+from pytest_dflash.native import hits
 
 if TYPE_CHECKING:
     import torch
 
-    from pytest_dflash.numerics import ParityResult
+    from pytest_dflash.measure.numerics import ParityResult
 
 
 def no_zeros(x: torch.Tensor) -> torch.Tensor:

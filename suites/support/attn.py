@@ -1,7 +1,7 @@
 """Support for the attn.d256 gates: seeded inputs, paged caches, and contract calls that prove
 what ran (one route hit on the candidate itself) into poisoned output buffers.
 
-Every candidate is called through the family contract (``pytest_dflash.families.AttnD256``):
+Every candidate is called through the family contract (``pytest_dflash.routes.families.AttnD256``):
 ``dense`` / ``paged`` write into a caller-owned ``out``, so another project's route is gated
 exactly like the shipped one.
 """
@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dflash_suites.support import no_zeros
-from pytest_dflash import hits
-from pytest_dflash.numerics import ParityResult, check_parity, poison_
+from pytest_dflash.measure.numerics import ParityResult, check_parity, poison_
+from pytest_dflash.native import hits
 
 if TYPE_CHECKING:
-    from pytest_dflash.gate import GateContext
+    from pytest_dflash.session.gate import GateContext
 
 D = 256
 SCALE = D ** -0.5

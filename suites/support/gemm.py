@@ -1,7 +1,7 @@
 """Support for the gemm.nvfp4 gates: target shapes per profile, seeded inputs, one parity case,
 the candidate/baseline pair of the speed gates, and the op-level validation-cost gate.
 
-Every candidate is called through the family contract (``pytest_dflash.families.GemmNvfp4``),
+Every candidate is called through the family contract (``pytest_dflash.routes.families.GemmNvfp4``),
 so a route registered by another project is gated exactly like a shipped one.
 """
 
@@ -16,15 +16,15 @@ import torch
 from dflash_kernels.gemm import MAX_VERIFY_M, as_gemm_route, poisoned_buffers
 from dflash_kernels.nvfp4 import NVFP4Weight, dequantize, quantize
 from dflash_suites.support import assert_route_ran, check_same_kernels, no_zeros
-from pytest_dflash import hits
-from pytest_dflash.environment import gate_dtype
-from pytest_dflash.gate import case_seed
-from pytest_dflash.numerics import ParityResult, check_parity
-from pytest_dflash.policy import Policy
-from pytest_dflash.profiles import sizes
+from pytest_dflash.measure.numerics import ParityResult, check_parity
+from pytest_dflash.native import hits
+from pytest_dflash.session.environment import gate_dtype
+from pytest_dflash.session.gate import case_seed
+from pytest_dflash.session.policy import Policy
+from pytest_dflash.session.profiles import sizes
 
 if TYPE_CHECKING:
-    from pytest_dflash.gate import GateContext
+    from pytest_dflash.session.gate import GateContext
 
 # (K, N) of the target deployment's projections (docs/gates.md, "gemm.nvfp4") and its prefill
 # chunk M (Q3296); profiles divide them by ProfileSizes.gemm_divisor.
@@ -209,7 +209,7 @@ def run_validation_cost(candidate_name: str, candidate: Any, disabled: Any, *, p
     records, then paired timing must show no regression beyond the noise floor, and the shared
     prefill workspace must not grow. Raises AssertionError naming every failing M.
     """
-    from pytest_dflash.timing import speed_gate
+    from pytest_dflash.measure.timing import speed_gate
 
     candidate = as_gemm_route(candidate, candidate_name)
     k_gu, n_gu = layer_shape("gate_up", profile)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_dflash.loader import SIDECAR_ENV
+from pytest_dflash.native.loader import SIDECAR_ENV
 
 SCENARIO_TIMEOUT_S = 600.0
 
@@ -63,8 +63,7 @@ def library_files(directory: Path) -> dict[str, Path]:
     """Real files for the scenarios, in ``directory``: full/dense-only builds (from the build
     cache), a copy of the full build at another path, a second copy (the clash), random bytes
     with a .so name, and a text file with a .so name."""
-    from pytest_dflash import build
-
+    from pytest_dflash.native import build
     full = build.build_library("full")
     dense_only = build.build_library("dense_only")
     directory.mkdir(parents=True, exist_ok=True)
@@ -131,8 +130,8 @@ def _call_route(impl_name: str, device: str) -> dict[str, Any]:
     it raised."""
     import torch
 
-    from pytest_dflash import hits
-    from pytest_dflash.registry import resolve
+    from pytest_dflash.native import hits
+    from pytest_dflash.routes.registry import resolve
 
     impl = resolve(impl_name)
     q = torch.randn(8, 4, 256, device=device)
@@ -159,8 +158,7 @@ def _child(spec: dict[str, Any]) -> None:
         torch.ops.load_library(scenario.preload)
     report: dict[str, Any] = {}
     if scenario.raw_load is None:
-        from pytest_dflash import loader
-
+        from pytest_dflash.native import loader
         if scenario.first_sidecar is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

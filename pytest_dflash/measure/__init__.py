@@ -1,0 +1,1 @@
+"""Measurement: timing, statistics, numerical parity, progress of long gates."""

@@ -1,0 +1,1 @@
+"""Routes and families: the registry, the shipped stack, the gate vocabulary."""

@@ -1,0 +1,237 @@
+"""Route records and the registry they are declared into.
+
+A route is data, not code: its implementation is named by a ``"module:attribute"`` string and
+only imported when a gate runs it, so registering the whole shipped stack costs no torch import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from pytest_dflash.routes.families import Family
+from pytest_dflash.routes.vocabulary import GATE_KINDS, ROLES, UnknownNameError, check_kind
+
+
+class RegistryError(ValueError):
+    """A route declaration that contradicts the registry (duplicate, dangling baseline, ...)."""
+
+
+def resolve(target: str | Callable[..., Any] | None) -> Any:
+    """Import ``"package.module:attr"`` lazily; callables and None pass through."""
+    if target is None or not isinstance(target, str):
+        return target
+    module_name, sep, attr = target.partition(":")
+    if not sep:
+        raise RegistryError(f"implementation {target!r} must look like 'package.module:attribute'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class Route:
+    """One implementation or setting of a family.
+
+    ``impl`` is what op-level gates call (family-specific contract); ``engine`` maps
+    family -> route name and is what model-level gates switch in the engine. ``probe`` returns
+    None when the route can run here, otherwise the human reason it cannot (e.g. "needs SM70").
+    ``verify_route``, like ``baseline``, overrides the family's for this candidate: the route
+    its validation-cost gates compare it with (what serves verification while it is off). The
+    gate self-test uses it to compare a wrapped route with the verify route wrapped the same
+    way, so the wrapper's own per-call cost is paid on both sides.
+    """
+
+    name: str
+    family: str
+    role: str
+    baseline: str | None = None
+    gates: tuple[str, ...] = ()
+    default_enabled: bool = False
+    impl: str | Callable[..., Any] | None = None
+    engine: Mapping[str, str] = field(default_factory=dict)
+    probe: str | Callable[[], str | None] | None = None
+    switch: str | None = None
+    description: str = ""
+    verify_route: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise RegistryError(f"route {self.name!r}: role {self.role!r} is not one of {ROLES}")
+        if not self.name.startswith(self.family + "."):
+            raise RegistryError(
+                f"route {self.name!r} must be named '<family>.<route>' with family {self.family!r}"
+            )
+        object.__setattr__(self, "gates", tuple(self.gates))
+        object.__setattr__(self, "engine", MappingProxyType(dict(self.engine)))
+        try:
+            for kind in self.gates:
+                check_kind(kind)
+        except UnknownNameError as exc:
+            raise RegistryError(f"route {self.name!r}: {exc}") from None
+        if self.role == "candidate" and not self.baseline:
+            raise RegistryError(f"candidate route {self.name!r} must name its baseline")
+        if self.role == "candidate" and not self.gates:
+            # with nothing required, every gate it needs would have "run and passed": an accept
+            # that no test stands behind
+            raise RegistryError(
+                f"candidate route {self.name!r} declares no gates, so it could never be judged; "
+                f"name the gates it needs, e.g. gates=('parity', 'speed') (kinds: "
+                f"{', '.join(GATE_KINDS)})")
+        if self.role == "candidate" and self.default_enabled:
+            raise RegistryError(f"candidate route {self.name!r} must be default-off until accepted")
+
+    @property
+    def short(self) -> str:
+        return self.name[len(self.family) + 1 :]
+
+    @property
+    def enable_switch(self) -> str:
+        """Environment-style switch printed by ``pytest-dflash enable`` for an accepted route."""
+        if self.switch:
+            return self.switch
+        return "DFLASH_" + self.name.upper().replace(".", "_")
+
+    def implementation(self) -> Any:
+        return resolve(self.impl)
+
+    def unavailable_reason(self) -> str | None:
+        probe = resolve(self.probe)
+        return probe() if probe is not None else None
+
+
+class RouteRegistry:
+    """All routes and family declarations of a session, checked as a whole once every plugin
+    had its say."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, Route] = {}
+        self._families: dict[str, Family] = {}
+
+    def declare(self, family: Family) -> Family:
+        """Declare a family's contract and the routes its gates need (``families.Family``)."""
+        if not isinstance(family, Family):
+            raise RegistryError(f"declare() takes a Family, got {type(family).__name__}")
+        if family.name in self._families:
+            raise RegistryError(f"family {family.name!r} is declared twice")
+        self._families[family.name] = family
+        return family
+
+    def register(self, route: Route) -> Route:
+        if not isinstance(route, Route):
+            raise RegistryError(f"register() takes a Route, got {type(route).__name__}")
+        if route.name in self._routes:
+            raise RegistryError(f"route {route.name!r} is registered twice")
+        self._routes[route.name] = route
+        return route
+
+    def validate(self) -> None:
+        """Dangling names can only be judged after every plugin registered its routes."""
+        for family in self._families.values():
+            self._validate_family(family)
+        for route in self._routes.values():
+            if route.baseline is None:
+                continue
+            base = self._routes.get(route.baseline)
+            if base is None:
+                raise RegistryError(
+                    f"route {route.name!r} names baseline {route.baseline!r}, which is not "
+                    f"registered; known routes of family {route.family!r}: "
+                    f"{', '.join(r.name for r in self.family(route.family)) or 'none'}"
+                )
+            if base.family != route.family:
+                raise RegistryError(
+                    f"route {route.name!r} and its baseline {base.name!r} are of different families"
+                )
+        for route in self._routes.values():
+            if route.verify_route is None:
+                continue
+            verify = self._routes.get(route.verify_route)
+            if verify is None or verify.family != route.family:
+                raise RegistryError(
+                    f"route {route.name!r} names verify_route {route.verify_route!r}, which is "
+                    f"not a registered route of family {route.family!r}")
+
+    def _validate_family(self, family: Family) -> None:
+        wanted = {"baseline": family.baseline, "oracle": family.oracle,
+                  "verify_route": family.verify_route}
+        for part, name in wanted.items():
+            if name is None:
+                continue
+            route = self._routes.get(name)
+            if route is None or route.family != family.name:
+                raise RegistryError(
+                    f"family {family.name!r} declares {part} {name!r}, which is not a registered "
+                    f"route of that family; its routes: "
+                    f"{', '.join(r.name for r in self.family(family.name)) or 'none'}")
+            if part in ("baseline", "oracle") and route.role != part:
+                raise RegistryError(f"family {family.name!r} declares {part} {name!r}, but that "
+                                    f"route is registered with role {route.role!r}")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._routes
+
+    def __iter__(self):
+        return iter(sorted(self._routes.values(), key=lambda r: r.name))
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def get(self, name: str) -> Route:
+        try:
+            return self._routes[name]
+        except KeyError:
+            raise UnknownNameError(
+                f"unknown route {name!r}; known routes: {', '.join(sorted(self._routes))}"
+            ) from None
+
+    def family(self, family: str) -> list[Route]:
+        return [r for r in self if r.family == family]
+
+    def families(self) -> list[str]:
+        return sorted({r.family for r in self._routes.values()})
+
+    def candidates(self, family: str | None = None, kind: str | None = None) -> list[Route]:
+        return [
+            r
+            for r in self
+            if r.role == "candidate"
+            and (family is None or r.family == family)
+            and (kind is None or kind in r.gates)
+        ]
+
+    def family_of(self, name: str) -> Family:
+        """The declaration of family ``name``; for an undeclared family one derived from its
+        registered roles (no contract check, no verify route)."""
+        declared = self._families.get(name)
+        if declared is not None:
+            return declared
+        if name not in self.families():
+            raise UnknownNameError(f"unknown family {name!r}; known families: "
+                                   f"{', '.join(self.families())}")
+        return Family(name, contract=None, baseline=self.role(name, "baseline").name,
+                      oracle=next((r.name for r in self.family(name) if r.role == "oracle"), None))
+
+    def role(self, family: str, role: str) -> Route:
+        """The family's oracle or baseline: the declared one, else the first with that role."""
+        declared = self._families.get(family)
+        name = getattr(declared, role, None) if declared is not None else None
+        if name is not None:
+            return self.get(name)
+        matches = [r for r in self.family(family) if r.role == role]
+        if not matches:
+            raise UnknownNameError(f"family {family!r} has no {role} route registered")
+        return matches[0]
+
+    def engine_selection(self, names: Iterable[str] = ()) -> dict[str, str]:
+        """Family -> route for an engine: every family's baseline, then the named overrides."""
+        selection = {r.family: r.name for r in self if r.role == "baseline"}
+        for name in names:
+            route = self.get(name)
+            selection[route.family] = route.name
+            selection.update(route.engine)
+        return selection

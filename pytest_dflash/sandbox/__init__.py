@@ -1,0 +1,1 @@
+"""The sandboxed executor for generated code and its seccomp filter."""

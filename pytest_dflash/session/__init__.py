@@ -1,0 +1,1 @@
+"""One pytest session of gates: state, collection, fixtures, environment, policy."""

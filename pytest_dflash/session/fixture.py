@@ -1,0 +1,129 @@
+"""The fixtures pytest-dflash offers to gate tests (registered by the plugin at configure).
+
+A gate test takes ``dflash_gate`` and little else; the narrower fixtures remain for tests that
+need one thing only (and for suites written against them before ``dflash_gate`` existed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_dflash import settings
+from pytest_dflash.engines import setup as engine_setup
+from pytest_dflash.routes.registry import Route, RouteRegistry
+from pytest_dflash.session.environment import profile_of, sidecar_path, torch_device
+from pytest_dflash.session.gate import GateContext
+from pytest_dflash.session.policy import Policy
+from pytest_dflash.session.state import binding, state_of
+
+
+@pytest.fixture
+def dflash_route(request: pytest.FixtureRequest) -> Route:
+    """The candidate route this gate test measures (parametrized by the plugin from the gate
+    marker). A route whose probe says it cannot run here is skipped with that reason, which
+    leaves its gate pending."""
+    if not hasattr(request, "param"):
+        raise pytest.UsageError(f"{request.node.nodeid}: `dflash_route` is only available to "
+                                "tests marked @pytest.mark.gate(kind, family=...)")
+    reason = request.param.unavailable_reason()
+    if reason:
+        pytest.skip(f"{request.param.name} unavailable here: {reason}")
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def dflash_registry(pytestconfig: pytest.Config) -> RouteRegistry:
+    """Every route and family registered this session (shipped, conftests, plugins)."""
+    return state_of(pytestconfig).registry
+
+
+@pytest.fixture(scope="session")
+def dflash_policy(pytestconfig: pytest.Config) -> Policy:
+    """The predeclared thresholds, with the project's ``[tool.pytest-dflash]`` overrides."""
+    return state_of(pytestconfig).policy
+
+
+@pytest.fixture(scope="session")
+def dflash_profile(pytestconfig: pytest.Config) -> str:
+    """The session profile: ``quick``, ``ci`` or ``full``."""
+    return profile_of(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def dflash_device(pytestconfig: pytest.Config) -> Any:
+    """The gate device as a ``torch.device`` (``--dflash-device``; auto: CUDA if present)."""
+    return torch_device(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def dflash_sidecar(pytestconfig: pytest.Config) -> Path | None:
+    """The explicit D256 op library (``--dflash-sidecar`` or its environment variable)."""
+    return sidecar_path(pytestconfig)
+
+
+@pytest.fixture
+def dflash_record(request: pytest.FixtureRequest) -> Callable[..., None]:
+    """Attach measurements to this gate test: ``dflash_record(figure="...", key=value, ...)``.
+
+    ``figure`` is the one-line figure shown in the verdict table; ``samples`` holds raw timing
+    samples. Values must be JSON-serialisable (they travel through xdist and into the report).
+    """
+    bound = binding(request.node)
+
+    def record(**measurements: Any) -> None:
+        if bound is None:
+            raise RuntimeError(f"{request.node.nodeid} is not a gate test; mark it "
+                               "@pytest.mark.gate(kind, family=...) to record measurements")
+        bound["measurements"].update(measurements)
+
+    return record
+
+
+@pytest.fixture(scope="session")
+def dflash_engine(pytestconfig: pytest.Config) -> Callable[[dict[str, str]], Any]:
+    """Factory: ``dflash_engine(selection)`` builds (once per selection) an engine via the
+    ``pytest_dflash_engine`` hook; the embedded reference engine answers last. An engine that
+    cannot run a selection at all (``EngineUnsupported``: a route it cannot switch, a server
+    nobody named) skips the test with the engine's reason: the gate stays pending."""
+    from pytest_dflash.engines import EngineUnsupported
+
+    cache: dict[tuple[tuple[str, str], ...], Any] = {}
+
+    def build(selection: dict[str, str]) -> Any:
+        key = tuple(sorted(selection.items()))
+        if key not in cache:
+            try:
+                engine = pytestconfig.hook.pytest_dflash_engine(
+                    config=pytestconfig, selection=dict(selection),
+                    profile=profile_of(pytestconfig))
+            except EngineUnsupported as exc:
+                pytest.skip(f"the engine cannot run this selection: {exc}")
+            if engine is None:
+                raise RuntimeError("no pytest_dflash_engine implementation built an engine")
+            cache[key] = engine_setup.factory_of(pytestconfig).adopt(engine)  # closed at the end
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture
+def dflash_gate(request: pytest.FixtureRequest, dflash_route: Route,
+                dflash_registry: RouteRegistry, dflash_policy: Policy, dflash_profile: str,
+                dflash_device: Any, dflash_record: Callable[..., None],
+                dflash_engine: Callable[[dict[str, str]], Any]) -> GateContext:
+    """The gate context of this test (``pytest_dflash.session.gate.GateContext``): the candidate,
+    its
+    family's baseline, oracle and verify route, policy, profile and sizes, device and dtype,
+    case seeds, ``record(...)`` and the baseline/candidate engines."""
+    bound = binding(request.node)
+    kind = bound["kind"] if bound else request.node.get_closest_marker("gate").args[0]
+    config = request.config
+    return GateContext(route=dflash_route, kind=kind, registry=dflash_registry,
+                       policy=dflash_policy, profile=dflash_profile, device=dflash_device,
+                       record=dflash_record, engine=dflash_engine,
+                       data_dir=settings.of(config).data,
+                       servers=lambda: engine_setup.factory_of(config).servers())

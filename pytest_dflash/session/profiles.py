@@ -1,0 +1,87 @@
+"""Every size that depends on the profile, declared once (docs/profiles.md).
+
+A profile scales the work of every gate: ``full`` measures at the target deployment's sizes on the
+GPU, ``ci`` runs the whole matrix on a 2-core CPU, ``quick`` is a smoke run. Gates read these
+numbers in exactly two ways, both through this table:
+
+- ``dflash_gate.sizes.<field>`` inside a test (a loop over lengths, a scale divisor, a count);
+- ``@pytest.mark.gate(kind, family=..., per_size="<field>")``: the plugin parametrizes the test's
+  ``size`` argument over the field's values, so a size of another profile is not a skipped test
+  (a skip would leave the gate pending), it is simply not part of the run.
+
+Changing a number here changes what every gate of that profile measures; every report names the
+profile it ran with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pytest_dflash.routes.vocabulary import check_profile
+
+
+@dataclass(frozen=True)
+class ProfileSizes:
+    """The sizes of one profile. Field comments say which gate reads them."""
+
+    # model-level gates (reference engine, pytest_dflash.engines.data)
+    ppl_segments: int  # ppl: held-out segments scored
+    ppl_bytes: int  # ppl: bytes of each segment scored (BOS-prefixed)
+    quality_tasks: int  # quality: held-out coding tasks generated per route
+    prefill_lengths: tuple[int, ...]  # speed (prefill.geometry): prompt lengths, 32K:64K ratio
+    verify_prompt: int  # validation_cost (engine): prompt prefilled before the verify steps
+    geometry_divisor: int  # prefill.geometry: chunk sizes Q are the deployment's divided by this
+    # op-level gates of gemm.nvfp4
+    gemm_divisor: int  # target layer shapes and prefill M divided by this (K kept % 64)
+    benchmark_rounds: int  # speed (gemm): rounds of the pytest-benchmark twin test
+    # op-level gates of attn.d256
+    attn_long_t: tuple[int, ...]  # parity: causal prefill lengths (error must not grow with T)
+    attn_paged: tuple[int, int]  # parity: (Tq, kv_len) of the paged cases
+    attn_speed_t: tuple[int, ...]  # speed: causal prefill lengths timed
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+SIZES: dict[str, ProfileSizes] = {
+    "quick": ProfileSizes(
+        ppl_segments=2, ppl_bytes=128, quality_tasks=4, prefill_lengths=(256, 512),
+        verify_prompt=64, geometry_divisor=16, gemm_divisor=32, benchmark_rounds=3,
+        attn_long_t=(512,), attn_paged=(97, 203), attn_speed_t=(512,)),
+    "ci": ProfileSizes(
+        ppl_segments=8, ppl_bytes=512, quality_tasks=20, prefill_lengths=(512, 1024),
+        verify_prompt=512, geometry_divisor=8, gemm_divisor=8, benchmark_rounds=10,
+        attn_long_t=(1024, 4096), attn_paged=(301, 1001), attn_speed_t=(2048, 4096)),
+    "full": ProfileSizes(
+        ppl_segments=16, ppl_bytes=1024, quality_tasks=300, prefill_lengths=(32768, 65536),
+        verify_prompt=4096, geometry_divisor=1, gemm_divisor=1, benchmark_rounds=30,
+        attn_long_t=(2048, 8192, 32768, 65536), attn_paged=(1031, 4099),
+        attn_speed_t=(32768, 65536)),
+}
+
+
+def sizes(profile: str) -> ProfileSizes:
+    """The sizes of ``profile``; an unknown name raises UnknownNameError listing the profiles."""
+    return SIZES[check_profile(profile)]
+
+
+def per_size_values(spec: str | dict[str, Any], profile: str) -> tuple[Any, ...]:
+    """Values a ``per_size=`` gate marker parametrizes ``size`` over in ``profile``.
+
+    ``spec`` names a field of :class:`ProfileSizes` (the shipped suites) or is a table
+    ``{profile: values}`` of a suite of your own; either way every profile must be covered.
+    """
+    if isinstance(spec, str):
+        if spec not in ProfileSizes.__dataclass_fields__:
+            raise ValueError(f"per_size={spec!r} names no profile size; known: "
+                             f"{', '.join(ProfileSizes.__dataclass_fields__)}")
+        values = getattr(sizes(profile), spec)
+    elif isinstance(spec, dict):
+        if profile not in spec:
+            raise ValueError(f"per_size table {spec!r} has no entry for profile {profile!r}")
+        values = spec[profile]
+    else:
+        raise ValueError(f"per_size must name a profile size or be a {{profile: values}} table, "
+                         f"got {type(spec).__name__}")
+    return tuple(values) if isinstance(values, (tuple, list)) else (values,)

@@ -1,0 +1,1 @@
+"""pytest-xdist on GPUs: one GPU per worker, timing gates grouped."""
