@@ -72,14 +72,16 @@ def test_outside_plugin_wraps_the_default_engine(
     from pytest_dflash.engines.data import PPL_FILE, data_dir
 
     pytester.makepyfile(wrapping_plugin=WRAPPER)
-    pytester.syspathinsert()
     data = pytester.mkdir("data")
     rows = (data_dir() / PPL_FILE).read_text().splitlines()[:2]
     (data / PPL_FILE).write_text("\n".join(rows) + "\n")
     log = pytester.path / "calls.json"
     monkeypatch.setenv("WRAP_LOG", str(log))
     report = pytester.path / "r.json"
-    result = pytester.runpytest(
+    # a subprocess: modules the gates import (torch's operator registrations) must not be
+    # dropped and imported again in this process, as pytester's in-process runs do
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    result = pytester.runpytest_subprocess(
         "-p",
         "wrapping_plugin",
         "--pyargs",

@@ -162,7 +162,9 @@ def test_ppl_gate_through_the_transformers_engine(pytester: pytest.Pytester) -> 
     engine; the shipped fp16-state geometry cannot be applied and stays pending."""
     pytester.makeini(f"[pytest]\ndflash_engine = hf:{MODEL}\n")
     report = pytester.path / "r.json"
-    result = pytester.runpytest(
+    # a subprocess: modules transformers imports lazily must not be dropped and imported again
+    # in this process, as pytester's in-process runs do
+    result = pytester.runpytest_subprocess(
         "--pyargs",
         "dflash_suites",
         "-m",

@@ -224,7 +224,7 @@ def pytest_dflash_routes(registry: Any) -> None:
 def default_registry() -> Any:
     """The shipped routes plus :data:`ROUTES`: what an engine built outside a pytest session
     (``build(..., registry=None)``) resolves route names against."""
-    from pytest_dflash import shipped
+    from pytest_dflash.routes import shipped
     from pytest_dflash.routes.registry import RouteRegistry
 
     registry = RouteRegistry()
