@@ -14,8 +14,8 @@ per width and prints, per M:
   candidate ran first and rounds where it ran second, in percent (a position effect inside a
   round, e.g. the second call finding warmer caches, shows as a shift of one sign).
 
-Run it in several processes, and under each interpreter you gate with: README shows the
-process-to-process and interpreter-to-interpreter spread it found.
+Run it in several processes, and under each interpreter you gate with: docs/benchmarks.md shows
+the process-to-process and interpreter-to-interpreter spread it found.
 """
 
 from __future__ import annotations

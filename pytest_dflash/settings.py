@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
+from pytest_dflash.native.loader import SIDECAR_ENV
 from pytest_dflash.routes.vocabulary import PROFILES
+from pytest_dflash.sandbox.executor import ALLOW_UNJAILED_ENV
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 DEFAULT_REPORT = "dflash-report.json"
-SIDECAR_ENV = "DFLASH_D256_LIBRARY"
-ALLOW_UNJAILED_ENV = "DFLASH_ALLOW_UNJAILED"
 _SETTINGS = pytest.StashKey["Settings"]()
 
 

@@ -6,19 +6,45 @@ never trained on, or ``--dflash-data``), each with the engine's BOS prefix, and 
 per-segment perplexity difference must stay within ``policy.ppl_tolerance`` per token and
 ``policy.ppl_byte_tolerance`` per byte (tokenizer-independent). Corpus perplexity and bits per
 byte of both are reported.
+
+Those segments are shorter than any prefill chunk, so they never see a chunk seam. The
+long-context test scores held-out contexts (whole modules concatenated) long enough to cross at
+least three seams of both routes' chunk sizes, and compares the perplexity per position band:
+before the first seam, the ``policy.ppl_band_tokens`` positions after each seam, and the tail
+(``pytest_dflash.metrics.seams``).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import pytest
 
 pytestmark = pytest.mark.sm70
 
+# The baseline engine's log-probs of each segment and long context, kept for the session: every
+# geometry candidate is compared with the same baseline engine on the same text, and a deterministic
+# engine (the speed gate checks bitwise-equal repeats) scores them the same every time.
+_BASELINE_SCORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-def score_segments(engine, segments: list[dict]) -> dict:
+
+def baseline_score(engine, ids: list[int]) -> list[float]:
+    """``engine.score(ids)``, once per engine and token sequence."""
+    try:
+        cache = _BASELINE_SCORES.setdefault(engine, {})
+    except TypeError:  # an engine object that cannot be weakly referenced: no caching
+        return engine.score(ids)
+    key = tuple(ids)
+    if key not in cache:
+        cache[key] = engine.score(ids)
+    return cache[key]
+
+
+def score_segments(engine, segments: list[dict], baseline: bool = False) -> dict:
     """Per-token log-probs of each segment, prefixed with the engine's own BOS (the engine
     protocol's ``encode(text, add_special_tokens=True)``), through the perplexity metric; plus
-    per-segment byte-level perplexities exp(NLL / UTF-8 bytes), comparable across tokenizers."""
+    per-segment byte-level perplexities exp(NLL / UTF-8 bytes), comparable across tokenizers.
+    The ``baseline`` engine's scores are kept for the session (:func:`baseline_score`)."""
     import math
 
     from pytest_dflash.metrics import load_metric
@@ -26,7 +52,7 @@ def score_segments(engine, segments: list[dict]) -> dict:
     logprobs, num_bytes = [], []
     for row in segments:
         ids = engine.encode(row["text"], add_special_tokens=True)
-        logprobs.append(engine.score(ids))
+        logprobs.append(baseline_score(engine, ids) if baseline else engine.score(ids))
         num_bytes.append(len(row["text"].encode("utf-8")))
     result = load_metric("perplexity").compute(logprobs=logprobs, num_bytes=num_bytes)
     result["byte_perplexities"] = [math.exp(-math.fsum(lp) / n)
@@ -48,8 +74,8 @@ def test_ppl_heldout_segments(dflash_gate):
 
     route, policy = dflash_gate.route, dflash_gate.policy
     segments = ppl_segments(dflash_gate.profile, dflash_gate.data_dir)
-    baseline, candidate = dflash_gate.engines()
-    base = score_segments(baseline, segments)
+    baseline, candidate = dflash_gate.require("prompt_logprobs")
+    base = score_segments(baseline, segments, baseline=True)
     cand = score_segments(candidate, segments)
     dflash_gate.record_engines(baseline, candidate)
     worst, delta = worst_delta(base["perplexities"], cand["perplexities"])
@@ -89,3 +115,60 @@ def test_ppl_heldout_segments(dflash_gate):
             f"{cand['byte_perplexities'][worst_b]:.5f}: |delta| {delta_b:.5f} > tolerance "
             f"{policy.ppl_byte_tolerance}")
     assert not failures, f"{route.name}: " + "; ".join(failures)
+
+
+def chunk_of(engine, impl, profile: str) -> int:
+    """The prefill chunk an engine runs: its own ``chunk`` where it says, else the geometry
+    route's (``impl.chunk(profile)``, the family contract)."""
+    chunk = getattr(engine, "chunk", None)
+    return int(chunk) if chunk else int(impl.chunk(profile))
+
+
+@pytest.mark.gate("ppl", family="prefill.geometry")
+def test_ppl_long_contexts(dflash_gate):
+    """Per position band of each long context, |PPL(candidate) - PPL(baseline)| <=
+    policy.ppl_band_tolerance (before the first seam, after each seam, the tail)."""
+    from pytest_dflash.engines.data import long_contexts
+    from pytest_dflash.metrics.seams import band_perplexities, bands
+
+    route, policy, profile = dflash_gate.route, dflash_gate.policy, dflash_gate.profile
+    baseline, candidate = dflash_gate.require("prompt_logprobs")
+    chunk = chunk_of(candidate, dflash_gate.impl, profile)
+    base_chunk = chunk_of(baseline, dflash_gate.baseline, profile)
+    # three seams of both chunk sizes, and a tail band behind the candidate's last seam
+    need = max(dflash_gate.sizes.ppl_long_tokens,
+               3 * max(chunk, base_chunk) + policy.ppl_band_tokens + 2)
+    contexts = long_contexts(profile, baseline.encode, need, dflash_gate.data_dir)
+    per_context, worst = {}, None
+    for context in contexts:
+        ids = context["ids"]
+        cuts = bands(len(ids), chunk, policy.ppl_band_tokens)
+        base = band_perplexities(baseline_score(baseline, ids), cuts)
+        cand = band_perplexities(candidate.score(ids), cuts)
+        rows = [{"band": b.label, "positions": [b.start, b.end], "ppl_baseline": x,
+                 "ppl_candidate": y, "delta": y - x}
+                for b, x, y in zip(cuts, base, cand, strict=True)]
+        per_context[context["id"]] = rows
+        for row in rows:
+            if worst is None or abs(row["delta"]) > abs(worst[1]["delta"]):
+                worst = (context["id"], row)
+    dflash_gate.record_engines(baseline, candidate)
+    where, row = worst
+    delta = abs(row["delta"])
+    tol = policy.ppl_band_tolerance
+    seams_crossed = min(len(rows) - 2 for rows in per_context.values())
+    dflash_gate.record(
+        figure=f"long contexts ({len(contexts)} x {need} tokens, {seams_crossed} seams of "
+               f"Q{chunk}): max band PPL delta {delta:.4f} (tolerance {tol}) at {where} "
+               f"{row['band']}",
+        max_band_ppl_delta=delta, ppl_band_tolerance=tol,
+        margin=delta / tol if tol else float("inf"),
+        worst_context=where, worst_band=row["band"], context_tokens=need,
+        chunk_tokens={"candidate": chunk, "baseline": base_chunk},
+        band_tokens=policy.ppl_band_tokens, bands=per_context,
+        data=str(dflash_gate.data_dir) if dflash_gate.data_dir else "shipped",
+    )
+    assert delta <= tol, (
+        f"{route.name}: long context {where}, {row['band']} (positions {row['positions']}): "
+        f"perplexity {row['ppl_baseline']:.5f} (baseline {route.baseline}) -> "
+        f"{row['ppl_candidate']:.5f}: |delta| {delta:.5f} > tolerance {tol}")

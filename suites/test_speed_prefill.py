@@ -3,8 +3,15 @@
 For each of the profile's prompt lengths (``ProfileSizes.prefill_lengths``, 32K:64K ratio), the
 candidate geometry's engine and the baseline's prefill the same prompt interleaved in randomized
 order, the prefix cache reset before every run (cold), every run of a route yielding the same
-first-token hash, and the candidate's route hits proving its chunking really ran. Tokens/s of both
-go in the report.
+first-token hash, the candidate's greedy first token equal to the baseline's, and the candidate's
+route hits proving its chunking really ran. Tokens/s of both go in the report.
+
+A fast route is only worth timing if it computes what the baseline computes after the same
+prompt, so before timing, each prompt's cold prefill pair is checked across routes: the greedy
+next token must be the baseline's, and KL(candidate || baseline) of the next-token distributions
+at the ``policy.agreement_rows`` positions after every chunk seam (both routes' seams) and on as
+many verify rows decoded on top of the prefill (which read the paged KV of every chunk) must
+stay under ``policy.agreement_kl_bound`` (docs/gates.md).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ class PrefillRuns:
     def __init__(self, engine, ids: list[int], label: str) -> None:
         self.engine, self.ids, self.label = engine, ids, label
         self.hashes: set[str] = set()
+        self.first_tokens: set[int] = set()
         self.chunks: set[int] = set()
         self.runs = 0
 
@@ -29,6 +37,7 @@ class PrefillRuns:
     def __call__(self) -> None:
         result = self.engine.prefill(self.ids)
         self.hashes.add(result.first_token_hash)
+        self.first_tokens.add(result.first_token)
         self.chunks.add(result.chunks)
         self.runs += 1
 
@@ -46,13 +55,91 @@ class PrefillRuns:
         return -(-len(self.ids) // chunk) if chunk else next(iter(self.chunks))
 
 
+def kl_rows(cand, base):
+    """KL(cand || base) per row of two fp64 log-prob matrices [rows, vocab]."""
+    return (cand.exp() * (cand - base)).sum(-1)
+
+
+def check_agreement(dflash_gate, baseline, candidate, length: int) -> tuple[dict, list[str]]:
+    """One cold prefill of the prompt per route (``prefill_logits``), then one verify step of
+    the ``policy.agreement_rows`` held-out tokens that follow it; the measurements for the
+    report and the failures: a different greedy next token, or KL(candidate || baseline) over
+    the bound at a position after a seam, the last position or a verify row."""
+    import time
+
+    import torch
+
+    from pytest_dflash.engines.data import prompt_ids
+    from pytest_dflash.metrics.seams import agreement_positions, seams
+
+    start_s = time.perf_counter()
+    policy, rows = dflash_gate.policy, dflash_gate.policy.agreement_rows
+    text = prompt_ids(length + rows, baseline.encode)
+    ids, cont = text[:length], text[length:]
+    chunks = {
+        name: int(getattr(engine, "chunk", None) or impl.chunk(dflash_gate.profile))
+        for name, engine, impl in (("candidate", candidate, dflash_gate.impl),
+                                   ("baseline", baseline, dflash_gate.baseline))
+    }
+    positions = agreement_positions(length, chunks.values(), rows)
+    compute = getattr(candidate, "dtype", None) or dflash_gate.dtype
+    bound = policy.agreement_kl_bound
+    side = {}
+    for name, engine in (("baseline", baseline), ("candidate", candidate)):
+        at = engine.prefill_logits(ids, positions)
+        verify = torch.log_softmax(engine.verify(cont).double().cpu(), dim=-1)
+        side[name] = (at, verify)
+        engine.reset_prefix_cache()
+    kl_at = kl_rows(side["candidate"][0], side["baseline"][0])
+    kl_verify = kl_rows(side["candidate"][1], side["baseline"][1])
+    greedy = [int(side[name][0][-1].argmax()) for name in ("candidate", "baseline")]
+    verify_equal = int((side["candidate"][1].argmax(-1) == side["baseline"][1].argmax(-1)).sum())
+    per_seam = {}
+    for start in sorted(set(seams(length, chunks["candidate"])
+                            + seams(length, chunks["baseline"]))):
+        index = [i for i, p in enumerate(positions) if start <= p < start + rows]
+        per_seam[str(start)] = float(kl_at[index].max())
+    worst = max(float(kl_at.max()), float(kl_verify.max()))
+    where = (f"position {positions[int(kl_at.argmax())]}"
+             if float(kl_at.max()) >= float(kl_verify.max())
+             else f"verify row {int(kl_verify.argmax())}")
+    dtype = str(compute).removeprefix("torch.")
+    figure = (f"agreement: greedy {'equal' if greedy[0] == greedy[1] else 'DIFFERS'}, max KL "
+              f"{worst:.1e} (bound {bound:g}, {dtype})")
+    record = {"figure": figure, "greedy_next_token_candidate": greedy[0],
+              "greedy_next_token_baseline": greedy[1], "max_kl": worst, "kl_bound": bound,
+              "compute_dtype": dtype, "worst_at": where,
+              "max_kl_after_seams": float(kl_at.max()),
+              "max_kl_verify_rows": float(kl_verify.max()), "max_kl_per_seam": per_seam,
+              "kl_last_position": float(kl_at[-1]), "verify_rows_argmax_equal": verify_equal,
+              "verify_rows": rows, "positions": positions, "chunk_tokens": chunks,
+              "seconds": round(time.perf_counter() - start_s, 3)}
+    failures = []
+    if greedy[0] != greedy[1]:
+        failures.append(f"greedy next token {greedy[0]}, the baseline's {greedy[1]}")
+    if worst > bound:
+        failures.append(f"KL(candidate || baseline) {worst:.3e} at {where} > bound {bound:g} "
+                        f"({dtype} compute; max per seam: {per_seam}; verify rows: "
+                        f"{float(kl_verify.max()):.3e})")
+    return record, failures
+
+
 @pytest.mark.gate("speed", family="prefill.geometry", per_size="prefill_lengths")
 def test_speed_cold_prefill(dflash_gate, size):
     from pytest_dflash.engines.data import prompt_ids
     from pytest_dflash.measure.timing import speed_gate
 
     route, length = dflash_gate.route, size
-    baseline, candidate = dflash_gate.require("prefill_timing", "first_token_hash", "route_hits")
+    baseline, candidate = dflash_gate.require("prefill_timing", "first_token_hash", "route_hits",
+                                              "position_logits", "verify_logits")
+    # agreement first: a route that computes something else is not worth timing
+    agreement, disagreements = check_agreement(dflash_gate, baseline, candidate, length)
+    dflash_gate.record_engines(baseline, candidate)
+    dflash_gate.record(prompt_tokens=length, agreement=agreement,
+                       figure=f"@{length} {agreement['figure']}")
+    assert not disagreements, (
+        f"{route.name} @{length}: after the same cold prefill as {route.baseline}: "
+        + "; ".join(disagreements))
     ids = prompt_ids(length, baseline.encode)
     cand = PrefillRuns(candidate, ids, f"{route.name} @{length}")
     base = PrefillRuns(baseline, ids, f"{route.baseline} @{length}")
@@ -74,7 +161,9 @@ def test_speed_cold_prefill(dflash_gate, size):
     samples = measured.get("samples", {})
     rates = {name: length / sorted(s)[len(s) // 2] for name, s in samples.items() if s}
     ran = candidate.route_hits().get(route.name, 0) - hits_before
-    dflash_gate.record(**measured, prompt_tokens=length,
+    if measured.get("figure"):
+        measured["figure"] += f"; {agreement['figure']}"
+    dflash_gate.record(**measured,
                        tokens_per_s_candidate=rates.get("candidate"),
                        tokens_per_s_baseline=rates.get("baseline"),
                        candidate_chunk_dispatches=ran,
@@ -85,6 +174,11 @@ def test_speed_cold_prefill(dflash_gate, size):
     assert ran >= cand.runs > 0, (
         f"{route.name} recorded {ran} route hits over {cand.runs} prefills: the candidate "
         f"geometry did not run (hits {candidate.route_hits()})")
-    dflash_gate.record(first_token_hash_candidate=cand_hash, first_token_hash_baseline=base_hash)
+    cand_token, base_token = next(iter(cand.first_tokens)), next(iter(base.first_tokens))
+    dflash_gate.record(first_token_hash_candidate=cand_hash, first_token_hash_baseline=base_hash,
+                       first_token_candidate=cand_token, first_token_baseline=base_token)
+    assert cand_token == base_token, (
+        f"{route.name} @{length}: greedy first token {cand_token} over the timed cold "
+        f"prefills, the baseline {route.baseline} gives {base_token}: the routes do not agree")
     if failure is not None:
         raise failure

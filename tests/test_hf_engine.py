@@ -150,7 +150,7 @@ def small_data(pytester: pytest.Pytester) -> str:
     from pytest_dflash.engines.data import PPL_FILE, TASKS_FILE, data_dir
 
     data = pytester.mkdir("data")
-    for name in (PPL_FILE, TASKS_FILE):
+    for name in (PPL_FILE, TASKS_FILE, "long_contexts.jsonl"):
         lines = (data_dir() / name).read_text().splitlines()[:2]
         (data / name).write_text("\n".join(lines) + "\n")
     return str(data)

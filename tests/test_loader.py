@@ -79,7 +79,7 @@ def test_library_without_the_namespace_is_not_loaded():
     other = Path(torch.__file__).parent / "lib" / "libtorch_global_deps.so"
     report = run_child(
         "import json, warnings; warnings.simplefilter('ignore')\n"
-        "from pytest_dflash import loader\n"
+        "from pytest_dflash.native import loader\n"
         f"st = loader.load_d256({str(other)!r}, bundled=None)\n"
         "print(json.dumps([st.state, st.error, loader.loaded_libraries()]))")
     state, error, loaded = report
@@ -93,7 +93,7 @@ def test_ops_without_a_kernel_for_the_device_are_not_verified():
     whatever hardware runs the test (the dispatcher is asked before any call)."""
     report = run_child(
         "import json, warnings; warnings.simplefilter('ignore')\n"
-        "from pytest_dflash import loader\n"
+        "from pytest_dflash.native import loader\n"
         "st = loader.load_d256(device='cuda')\n"
         "print(json.dumps([st.state, st.ops]))", DFLASH_CUDA_ARCH="none")
     state, ops = report
@@ -110,7 +110,7 @@ def test_current_status_follows_the_explicit_load():
     the FA2 route refuses instead of quietly building and loading the bundled one."""
     report = run_child(
         "import json, warnings; warnings.simplefilter('ignore')\n"
-        "from pytest_dflash import loader\n"
+        "from pytest_dflash.native import loader\n"
         "from dflash_kernels.attention import fa2_status\n"
         "st = loader.load_d256(bundled=None)\n"
         "print(json.dumps([st.state, fa2_status() is st, loader.loaded_libraries()]))")
@@ -121,7 +121,7 @@ def test_loaded_libraries_carry_path_and_sha256():
     lib = build.build_library("full")
     report = run_child(
         "import json\n"
-        "from pytest_dflash import loader\n"
+        "from pytest_dflash.native import loader\n"
         "st = loader.load_d256()\n"
         "print(json.dumps(loader.loaded_libraries()))")
     (entry,) = report
@@ -135,7 +135,7 @@ def test_library_loaded_before_by_hand_is_adopted_not_reloaded():
     lib = build.build_library("full")
     report = run_child(
         "import json, torch\n"
-        "from pytest_dflash import loader\n"
+        "from pytest_dflash.native import loader\n"
         f"torch.ops.load_library({str(lib)!r})\n"
         "st = loader.load_d256()\n"
         "print(json.dumps([st.state, st.error, st.sha256]))")

@@ -105,14 +105,14 @@ EXPECTED = {
 
 def test_outside_routes_face_every_gate_and_each_defect_is_caught(
         pytester: pytest.Pytester) -> None:
-    from pytest_dflash.engines.data import PPL_FILE, TASKS_FILE, data_dir
+    from pytest_dflash.engines.data import LONG_FILE, PPL_FILE, TASKS_FILE, data_dir
 
     pytester.makepyfile(outside_routes=ROUTES)
     pytester.syspathinsert()
     # small data (two segments, two tasks) and 64-token completions keep the runtime short;
     # a defect that never stops is still caught: natural stops 2/2 -> 0/2
     data = pytester.mkdir("data")
-    for name in (PPL_FILE, TASKS_FILE):
+    for name in (PPL_FILE, LONG_FILE, TASKS_FILE):
         lines = (data_dir() / name).read_text().splitlines()[:2]
         (data / name).write_text("\n".join(lines) + "\n")
     pytester.makepyprojecttoml("[tool.pytest-dflash]\nquality_max_new_tokens = 64\n")

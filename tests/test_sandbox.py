@@ -724,10 +724,10 @@ def test_chroot_jail_holds_for_an_interpreter_under_usr(tmp_path: Path) -> None:
     bind: the chroot jail must not try to create it again on the read-only view (it once failed
     with 'Read-only file system' there, leaving the quality gate pending)."""
     tools = _tools(tmp_path / "tools", ("unshare", "setpriv", "sh", "mount", "chroot", "stat"))
-    repo = Path(sandbox.__file__).resolve().parent.parent
+    repo = Path(sandbox.__file__).resolve().parents[2]
     child = (
         "import sys; sys.path.insert(0, sys.argv[1])\n"
-        "from pytest_dflash import sandbox\n"
+        "from pytest_dflash.sandbox import executor as sandbox\n"
         "sandbox._TOOL_PATH = sys.argv[2]\n"
         "r = sandbox.run_untrusted('print(6 * 7)', timeout_s=20, memory_mb=256)\n"
         "print(r.status, '|', r.stdout_tail.strip(), '|', r.isolation[0])\n"

@@ -46,11 +46,11 @@ def pytest_dflash_routes(registry):
 def small_project(pytester: pytest.Pytester, tasks: int = 2) -> list[str]:
     """Keep the test's runtime small: two held-out segments and ``tasks`` coding tasks through
     ``--dflash-data``, completions capped at 64 tokens by the project's own policy."""
-    from pytest_dflash.engines.data import PPL_FILE, TASKS_FILE, data_dir
+    from pytest_dflash.engines.data import LONG_FILE, PPL_FILE, TASKS_FILE, data_dir
 
     shipped = data_dir()
     data = pytester.mkdir("data")
-    for name, rows in ((PPL_FILE, 2), (TASKS_FILE, tasks)):
+    for name, rows in ((PPL_FILE, 2), (LONG_FILE, 1), (TASKS_FILE, tasks)):
         lines = (shipped / name).read_text().splitlines()[:rows]
         (data / name).write_text("\n".join(lines) + "\n")
     pytester.makepyprojecttoml("[tool.pytest-dflash]\nquality_max_new_tokens = 64\n")
@@ -86,8 +86,9 @@ def test_ppl_and_quality_over_http_match_in_process(pytester: pytest.Pytester) -
     assert served["routes"][FP16]["verdict"] == local["routes"][FP16]["verdict"]
     assert served_run.ret == local_run.ret
 
-    ppl_local = gate_tests(local, FP16, "ppl")[0]["measurements"]
-    ppl_served = gate_tests(served, FP16, "ppl")[0]["measurements"]
+    ppl_local, ppl_served = (
+        next(t for t in gate_tests(report, FP16, "ppl") if "heldout_segments" in t["nodeid"])[
+            "measurements"] for report in (local, served))
     for key in ("per_segment_baseline", "per_segment_candidate"):
         assert len(ppl_served[key]) == len(ppl_local[key]) >= 2
         for got, want in zip(ppl_served[key], ppl_local[key], strict=True):

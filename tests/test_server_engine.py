@@ -16,6 +16,7 @@ import pytest
 from pytest_dflash.engines import EngineUnsupported, Sampling, missing
 from pytest_dflash.engines import reference as ref
 from pytest_dflash.engines.openai_server import (
+    ServerAPI,
     ServerError,
     ServerPool,
     apply_stops,
@@ -23,7 +24,7 @@ from pytest_dflash.engines.openai_server import (
     server_env,
     switches_for,
 )
-from pytest_dflash.routes.registry import Route, RouteRegistry
+from pytest_dflash.routes.registry import RegistryError, Route, RouteRegistry
 from pytest_dflash.routes.shipped import SHIPPED_ROUTES
 
 pytest.importorskip("fastapi")
@@ -77,6 +78,46 @@ def test_server_environment_carries_exactly_the_selection_switches():
     assert "DFLASH_PREFILL_GEOMETRY_FP32_Q6592" not in env, "a caller's switch leaked in"
     assert env["KEEP"] == "me" and env["DFLASH_ROUTES"] == FP16
     assert switches_for(registry.engine_selection(), registry) == {}
+
+
+def test_route_server_env_reaches_the_server_and_nothing_leaks_in():
+    """A route's ``server_env`` (a server's own settings) is in the environment exactly while
+    the route is on; the caller's values of those variables never leak into another
+    selection's server; two routes asking one setting for different values are refused."""
+    registry = shipped_registry()
+    registry.register(Route("prefill.geometry.ub64", "prefill.geometry", "candidate",
+                            baseline="prefill.geometry.fp32_q3296", gates=("ppl",),
+                            server_env={"N_UBATCH": "64"}))
+    registry.register(Route("attn.d256.fa_env", "attn.d256", "candidate",
+                            baseline="attn.d256.sdpa", gates=("ppl",),
+                            server_env={"N_UBATCH": "128"}))
+    leak = {"N_UBATCH": "999", "KEEP": "me"}
+    on = server_env(registry.engine_selection(["prefill.geometry.ub64"]), registry, leak)
+    assert on["N_UBATCH"] == "64" and on["DFLASH_PREFILL_GEOMETRY_UB64"] == "1"
+    off = server_env(registry.engine_selection(), registry, leak)
+    assert "N_UBATCH" not in off and off["KEEP"] == "me"
+    with pytest.raises(ValueError, match="both set N_UBATCH"):
+        switches_for(registry.engine_selection(["prefill.geometry.ub64", "attn.d256.fa_env"]),
+                     registry)
+    with pytest.raises(RegistryError, match="server_env"):
+        Route("prefill.geometry.bad", "prefill.geometry", "candidate",
+              baseline="prefill.geometry.fp32_q3296", gates=("ppl",), server_env={"X": 1})
+
+
+def test_the_engine_reads_what_the_server_offers_from_its_openapi(pool):
+    """``pytest-dflash serve`` publishes token-id prompts, echo, stream and a prefix-cache
+    reset: every capability a server can have is found; a server without the reset endpoint
+    loses prefill timing, with the reason."""
+    server = pool.engine(pool.registry.engine_selection())
+    api = server.api
+    assert (api.source, api.tokenize, api.token_prompts, api.reset_prefix_cache) == \
+        ("/openapi.json", "/tokenize", True, True)
+    assert server.capabilities.prompt_logprobs and server.capabilities.prefill_timing
+    doc = server._client.get("/openapi.json").json()
+    del doc["paths"]["/reset_prefix_cache"]
+    caps = ServerAPI.from_openapi(doc).capabilities()
+    assert not caps.prefill_timing and "reset_prefix_cache" in caps.reasons["prefill_timing"]
+    assert server.route_proof()["api"]["token_prompts"] is True
 
 
 def test_encode_and_score_match_the_in_process_engine(pool, local):

@@ -21,7 +21,7 @@
 // 76% busy, DRAM 23%), so its shape cuts both: the scale is decoded by bit placement too (no
 // float conversion, no branch), the staging rows are padded to 24 halves (a 16-half row put 8
 // lanes on one bank group), x rows are padded off a 128-byte multiple, and 4-warp blocks of
-// ~64 groups fit 9 blocks per SM. Measured variants: docs/qpn.md.
+// ~64 groups fit 9 blocks per SM. Measured variants: docs/benchmarks.md.
 //
 // A pass of one row (M = 1, the decode step) has its own fp16 kernel, qpn2_row_kernel: the same
 // decode with no staging tile, the lane's own pairs put straight into the A fragments of WMMA
@@ -632,8 +632,7 @@ int64_t groups_per_split(const Geometry& g, int64_t max_groups) {
 // default shared memory. SIMT body: at most one wave of blocks (every SM full at the kernel's
 // occupancy); on an H200 (12 blocks per SM) 64 groups (5 splits) for gate/up, 32 (9 splits) for
 // down. Tensor-core body: about two waves, at most kRowMmaGroupsPerSplit groups before the
-// rounding. Measured over 24-128 groups per split: docs/qpn.md, "What the eighth round
-// measured".
+// rounding. Measured over 24-128 groups per split: docs/benchmarks.md, "QPN kernels".
 constexpr int64_t kRowMmaGroupsPerSplit = 48;
 template <bool kMma, int kAhead>
 int64_t row_groups_per_split(const Geometry& g) {
@@ -651,8 +650,7 @@ int64_t row_groups_per_split(const Geometry& g) {
 // that depth's splits give every block at least two batches, each batch's loads hidden behind
 // the other's work (gate/up on an H200: 64 groups, 5 splits, 5 blocks of 88 registers per SM),
 // else 4 (64 registers, 8 blocks per SM; down on an H200: 32 groups, 9 splits). Deeper batches
-// on fewer blocks pay only where the blocks run long: measured in docs/qpn.md, "What the ninth
-// round measured".
+// on fewer blocks pay only where the blocks run long: docs/benchmarks.md, "QPN kernels".
 struct RowPlan {
   bool mma;
   int ahead;

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 # What a model-level gate may need beyond score/generate/encode, which every engine offers.
 CAPABILITIES: tuple[str, ...] = ("prefill_timing", "first_token_hash", "verify_logits",
-                                 "route_hits")
+                                 "route_hits", "position_logits", "prompt_logprobs")
 
 
 class EngineUnsupported(RuntimeError):
@@ -36,7 +36,12 @@ class Capabilities:
       one route can be proven bitwise identical;
     - ``verify_logits``: ``verify(draft)`` returns logits [M, vocab] for M <= 8 draft rows on
       top of the cached prefix (speculative decoding's verify step);
-    - ``route_hits``: ``route_hits()`` counts, in process, which route each op call took.
+    - ``route_hits``: ``route_hits()`` counts, in process, which route each op call took;
+    - ``position_logits``: ``prefill_logits(ids, positions)`` returns the full next-token
+      log-probs [len(positions), vocab] at chosen positions of one cold prefill, which stays
+      cached for ``verify`` (the cold-prefill agreement check compares them across routes).
+    - ``prompt_logprobs``: ``score(ids)`` returns the log-prob of every token of a sequence
+      (a server needs a tokenize endpoint and echoed prompt log-probs for it).
 
     ``reasons`` says, per missing capability, why the engine cannot offer it.
     """
@@ -45,6 +50,8 @@ class Capabilities:
     first_token_hash: bool = True
     verify_logits: bool = True
     route_hits: bool = True
+    position_logits: bool = True
+    prompt_logprobs: bool = True
     reasons: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -138,6 +145,10 @@ class Engine(Protocol):
 
     def verify(self, draft_ids: list[int]) -> Any:
         """Logits [M, vocab] for M = len(draft_ids) <= 8 rows on top of the cached prefix."""
+
+    def prefill_logits(self, token_ids: list[int], positions: list[int]) -> Any:
+        """Log-probs [len(positions), vocab] of the next token after each position, from one
+        cold prefill of ``token_ids`` that stays cached for :meth:`verify`."""
 
     def reset_prefix_cache(self) -> None: ...
 

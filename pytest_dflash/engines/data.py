@@ -17,9 +17,10 @@ from typing import Any
 from pytest_dflash.session.profiles import sizes
 
 PPL_FILE = "ppl_segments.jsonl"
+LONG_FILE = "long_contexts.jsonl"
 TASKS_FILE = "coding_tasks.jsonl"
 # the keys each row must have (string values, non-empty): the schema of the shipped files
-SCHEMA: dict[str, tuple[str, ...]] = {PPL_FILE: ("id", "text"),
+SCHEMA: dict[str, tuple[str, ...]] = {PPL_FILE: ("id", "text"), LONG_FILE: ("id", "text"),
                                       TASKS_FILE: ("task_id", "prompt", "test")}
 
 
@@ -44,9 +45,9 @@ def check_data_dir(directory: str | Path) -> Path:
         raise DataError(f"--dflash-data {directory}: no such directory")
     present = [name for name in SCHEMA if (path / name).is_file()]
     if not present:
-        raise DataError(f"--dflash-data {directory}: holds neither {PPL_FILE} nor {TASKS_FILE};"
-                        f" put one JSONL row per segment or task there (schema: "
-                        f"{PPL_FILE} {SCHEMA[PPL_FILE]}, {TASKS_FILE} {SCHEMA[TASKS_FILE]})")
+        raise DataError(f"--dflash-data {directory}: holds none of {', '.join(SCHEMA)}; put one "
+                        f"JSONL row per segment, context or task there (schema: "
+                        + ", ".join(f"{name} {keys}" for name, keys in SCHEMA.items()) + ")")
     for name in present:
         validate_jsonl(path / name, SCHEMA[name])
     return path
@@ -115,6 +116,29 @@ def ppl_segments(profile: str, directory: str | Path | None = None) -> list[dict
     for row in _rows(PPL_FILE, size.ppl_segments, directory):
         text = row["text"].encode("utf-8")[: size.ppl_bytes].decode("utf-8", errors="ignore")
         out.append({**row, "text": text})
+    return out
+
+
+def long_contexts(profile: str, encode: Callable[..., list[int]], min_tokens: int,
+                  directory: str | Path | None = None) -> list[dict[str, Any]]:
+    """The profile's held-out long contexts (whole modules concatenated, never trained on), each
+    as ``ids``: the engine's BOS (``encode(text, add_special_tokens=True)``) and the first
+    tokens of its text, ``min_tokens`` in all, so that every chunk seam the gate bands by lies
+    inside. A context too short for that is an error naming it and the fix, never a silently
+    shorter gate."""
+    count = sizes(profile).ppl_long_contexts
+    rows = _rows(LONG_FILE, count, directory)
+    if len(rows) < count:
+        raise DataError(f"{LONG_FILE} has {len(rows)} contexts, profile {profile!r} scores "
+                        f"{count}; add contexts (whole held-out documents concatenated)")
+    out = []
+    for row in rows:
+        ids = encode(row["text"], add_special_tokens=True)
+        if len(ids) < min_tokens:
+            raise DataError(f"{LONG_FILE} context {row['id']!r} encodes to {len(ids)} tokens, "
+                            f"the ppl gate needs {min_tokens} (at least 3 seams of every "
+                            f"selected chunk size); make its text longer")
+        out.append({"id": row["id"], "ids": ids[:min_tokens]})
     return out
 
 

@@ -80,11 +80,18 @@ class ModelConfig:
         return cls(**data)
 
 
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the model's working precision: fp32, or fp64 where ``x`` already is fp64 (the
+    fp64 reference that measures the fp32 engine's own rounding spread; docs/gates.md)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight, computed in fp32. Through ``F.rms_norm``: one fused
-    kernel where torch has one (a decode step runs 27 of these), on the CPU bitwise the same
-    as the written-out formula."""
-    out = F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
+    """x * rsqrt(mean(x^2) + eps) * weight, computed in fp32 (fp64 for fp64 x). Through
+    ``F.rms_norm``: one fused kernel where torch has one (a decode step runs 27 of these), on
+    the CPU bitwise the same as the written-out formula."""
+    xw = wide(x)
+    out = F.rms_norm(xw, (x.shape[-1],), weight.to(xw.dtype), eps)
     return out.to(x.dtype)
 
 
@@ -115,18 +122,19 @@ def gdr_recurrent(
     S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,  o_t = S_t^T q_t.
     The state is rounded to ``state_dtype`` after every token, as a decoder storing it would.
     """
-    s = state.float()
     # per-token factors for all tokens at once: the loop keeps only the state recurrence
-    qf, kf, vf = q.float(), k.float(), v.float()
-    decay = _exp(g.float())[..., None, None]  # [B, T, H, 1, 1]
-    write = beta.float()[..., None]  # [B, T, H, 1]
+    qf, kf, vf = wide(q), wide(k), wide(v)
+    work = vf.dtype
+    s = state.to(work)
+    decay = _exp(g.to(work))[..., None, None]  # [B, T, H, 1, 1]
+    write = beta.to(work)[..., None]  # [B, T, H, 1]
     outs = []
     for t in range(q.shape[1]):
         qt, kt = qf[:, t], kf[:, t]
         s = decay[:, t] * s
         u = write[:, t] * (vf[:, t] - torch.einsum("bhkv,bhk->bhv", s, kt))
         s = s + kt[..., :, None] * u[..., None, :]
-        s = _flush(s.to(state_dtype).float())
+        s = _flush(s.to(state_dtype).to(work))
         outs.append(torch.einsum("bhkv,bhk->bhv", s, qt))
     return torch.stack(outs, dim=1).to(v.dtype), s.to(state_dtype)
 
@@ -146,7 +154,9 @@ def gdr_chunked(
     dv = v.shape[-1]
     out_dtype = v.dtype
     pad = (-t_len) % chunk
-    qf, kf, vf, gf, bf = (x.float() for x in (q, k, v, g, beta))
+    vf = wide(v)
+    work = vf.dtype
+    qf, kf, gf, bf = (x.to(work) for x in (q, k, g, beta))
     if pad:
         # padded positions: no decay (g=0), no write (beta=0), so the state is unchanged
         qf, kf, vf = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (qf, kf, vf))
@@ -185,13 +195,13 @@ def gdr_chunked(
     # chunk-major copies, so that each step's operands are plain [B*H, ...] views and each
     # update below is one fused GEMM launch: U_i = u_base_i - W_i S, S' = a_i S + K_i^T U_i
     u_base, w, k_tail, a_end = (by_chunk(x) for x in (u_base, w, k_tail, a_end))
-    s = state.float().reshape(bsz * heads, dk, dv)
+    s = state.to(work).reshape(bsz * heads, dk, dv)
     starts, us = [], []
     for i in range(n):
         u = torch.baddbmm(u_base[i], w[i], s, alpha=-1)
         starts.append(s)
         us.append(u)
-        s = _flush(torch.baddbmm(a_end[i] * s, k_tail[i], u).to(state_dtype).float())
+        s = _flush(torch.baddbmm(a_end[i] * s, k_tail[i], u).to(state_dtype).to(work))
 
     def by_head(xs: list[torch.Tensor]) -> torch.Tensor:  # n x [B*H, ...] -> [B, H, n, ...]
         return torch.stack(xs, dim=1).view(bsz, heads, n, *xs[0].shape[1:])
@@ -228,16 +238,16 @@ def ssm_mixer(
     qkv, conv_state = causal_conv(F.linear(x, p["qkv.weight"]), p["conv.weight"], conv_state)
     qkv = F.silu(qkv)
     q, k, v = qkv.reshape(bsz, t_len, 3, h, dh).unbind(2)
-    q = F.normalize(q.float(), dim=-1) / math.sqrt(dh)
-    k = F.normalize(k.float(), dim=-1)
-    beta = torch.sigmoid(F.linear(x, p["b.weight"]).float())
-    g = -p["A_log"].float().exp() * F.softplus(F.linear(x, p["a.weight"]).float() + p["dt_bias"])
+    q = F.normalize(wide(q), dim=-1) / math.sqrt(dh)
+    k = F.normalize(wide(k), dim=-1)
+    beta = torch.sigmoid(wide(F.linear(x, p["b.weight"])))
+    g = -wide(p["A_log"]).exp() * F.softplus(wide(F.linear(x, p["a.weight"])) + p["dt_bias"])
     if ssm_state is None:
         ssm_state = x.new_zeros(bsz, h, dh, dh, dtype=state_dtype)
     if recurrent:
-        o, ssm_state = gdr_recurrent(q, k, v.float(), g, beta, ssm_state, state_dtype)
+        o, ssm_state = gdr_recurrent(q, k, wide(v), g, beta, ssm_state, state_dtype)
     else:
-        o, ssm_state = gdr_chunked(q, k, v.float(), g, beta, ssm_state, cfg.ssm_chunk, state_dtype)
+        o, ssm_state = gdr_chunked(q, k, wide(v), g, beta, ssm_state, cfg.ssm_chunk, state_dtype)
     o = rms_norm(o, p["o_norm.weight"], cfg.norm_eps).to(x.dtype)
     o = o.reshape(bsz, t_len, h * dh) * F.silu(F.linear(x, p["gate.weight"]))
     return F.linear(o, p["out.weight"]), conv_state, ssm_state

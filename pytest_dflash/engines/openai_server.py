@@ -35,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +59,14 @@ SERVER_CAPABILITIES = Capabilities(
     first_token_hash=False,
     verify_logits=False,
     route_hits=False,
+    position_logits=False,
     reasons={
         "first_token_hash": "an OpenAI-compatible server returns top-k log-probs, not the full "
                             "logits a bitwise first-token hash needs",
         "verify_logits": "an OpenAI-compatible server has no verify step of M <= 8 draft rows "
                          "on a cached prefix",
+        "position_logits": "an OpenAI-compatible server returns top-k prompt log-probs, not the "
+                           "full next-token distributions the agreement check compares",
         "route_hits": "route hits are counted in the server's process; its proof is the enable "
                       "switches it was started with (and its own counters where it has them)",
     },
@@ -104,12 +108,21 @@ def apply_stops(text: str, stops: list[str]) -> tuple[str, bool]:
 
 def switches_for(selection: Mapping[str, str], registry: Any) -> dict[str, str]:
     """``NAME=1`` for every non-baseline route in ``selection`` (what ``pytest-dflash enable``
-    prints for accepted routes), the switches of every other registered candidate absent."""
-    env = {}
+    prints for accepted routes) plus each such route's ``server_env`` (the server's own
+    settings, e.g. llama_cpp.server's ``N_UBATCH``), the switches of every other registered
+    candidate absent. Two switched-on routes asking one setting for different values is an
+    error naming both: the server could honour only one of them."""
+    env: dict[str, str] = {}
+    owner: dict[str, str] = {}
     for name in sorted(selection.values()):
         route = registry.get(name)
-        if route.role == "candidate":
-            env[route.enable_switch] = "1"
+        if route.role != "candidate":
+            continue
+        for key, value in {route.enable_switch: "1", **route.server_env}.items():
+            if key in env and env[key] != value:
+                raise ValueError(f"routes {owner[key]} and {route.name} both set {key} "
+                                 f"({env[key]!r} and {value!r}); switch on one of them")
+            env[key], owner[key] = value, route.name
     return env
 
 
@@ -125,6 +138,8 @@ def server_env(selection: Mapping[str, str], registry: Any, base: Mapping[str, s
     env = gpus.server_env(base)
     for route in registry:
         env.pop(route.enable_switch, None)
+        for key in route.server_env:
+            env.pop(key, None)
     env.update(switches_for(selection, registry))
     env[SELECTION_ENV] = ",".join(enabled_routes(selection, registry))
     if profile:
@@ -167,6 +182,114 @@ def url_key(selection: Mapping[str, str], registry: Any, urls: Mapping[str, str]
             f"{'switched on' if enabled else 'baselines'}: pass --dflash-engine-url {key}=URL "
             f"(given: {', '.join(sorted(urls)) or 'none'})")
     return key
+
+
+# ------------------------------------------------------------------------- what a server offers
+
+# Sampling settings some servers apply on top of temperature/top_p by default (llama_cpp.server:
+# repeat_penalty 1.1, min_p 0.05): set to their neutral value wherever the server declares them,
+# so a completion is decoded exactly as the policy predeclares (greedy is greedy).
+NEUTRAL_SAMPLING: dict[str, float] = {"repeat_penalty": 1.0, "presence_penalty": 0.0,
+                                      "frequency_penalty": 0.0, "min_p": 0.0}
+FORCE_BIAS = 1000.0  # logit bias that makes greedy decoding pick one given token
+
+
+@dataclass(frozen=True)
+class ServerAPI:
+    """The endpoints and request fields a server offers, read from its OpenAPI document
+    (``GET /openapi.json``: vLLM, llama_cpp.server and ``pytest-dflash serve`` publish one).
+    A server without one (no OpenAPI document there) is taken to offer vLLM's API, which is
+    what it is then asked for.
+
+    - ``tokenize``: ``/tokenize`` (vLLM: ``prompt`` and ``add_special_tokens``) or
+      ``/extras/tokenize`` (llama_cpp.server: ``input``; the model's BOS always added), else None;
+    - ``token_prompts``: ``/v1/completions`` takes token-id prompts; without them, ids are
+      detokenized and sent as text that must tokenize back to the same ids;
+    - ``echo_logprobs``: ``echo`` and ``logprobs`` (prompt log-probs);
+    - ``reset_prefix_cache``: ``POST /reset_prefix_cache``, which makes the next prefill cold;
+    - ``fields``: the completion request's fields (neutral sampling, ``logit_bias``).
+    """
+
+    tokenize: str | None = "/tokenize"
+    detokenize: str | None = "/detokenize"
+    token_prompts: bool = True
+    echo_logprobs: bool = True
+    stream: bool = True
+    reset_prefix_cache: bool = True
+    fields: frozenset[str] = frozenset()
+    source: str = "assumed vLLM's API (no /openapi.json)"
+
+    @classmethod
+    def from_openapi(cls, doc: Mapping[str, Any]) -> ServerAPI:
+        paths = doc.get("paths") or {}
+        body = _request_schema(doc, (paths.get("/v1/completions") or {}).get("post") or {})
+        props = body.get("properties") or {}
+        tokenize = next((p for p in ("/tokenize", "/extras/tokenize") if p in paths), None)
+        detokenize = next((p for p in ("/detokenize", "/extras/detokenize") if p in paths), None)
+        token_prompts = "prompt" in props and "integer" in _types(doc, props["prompt"])
+        return cls(tokenize=tokenize, detokenize=detokenize, token_prompts=token_prompts,
+                   echo_logprobs="echo" in props and "logprobs" in props,
+                   stream="stream" in props, reset_prefix_cache="/reset_prefix_cache" in paths,
+                   fields=frozenset(props), source="/openapi.json")
+
+    def capabilities(self) -> Capabilities:
+        """The server capabilities, less what this server's API cannot do (with the reason)."""
+        reasons = dict(SERVER_CAPABILITIES.reasons)
+        if not self.reset_prefix_cache:
+            reasons["prefill_timing"] = ("the server has no POST /reset_prefix_cache, so a "
+                                         "prefill may reuse the prompt it cached before and its "
+                                         "time to first token is not a cold prefill's")
+        elif not self.stream:
+            reasons["prefill_timing"] = "the server's completions cannot be streamed"
+        if self.tokenize is None:
+            reasons["prompt_logprobs"] = ("the server offers no tokenize endpoint (/tokenize or "
+                                          "/extras/tokenize), so segments cannot be scored "
+                                          "token by token")
+        elif not self.echo_logprobs:
+            reasons["prompt_logprobs"] = ("the server's /v1/completions takes no echo with "
+                                          "logprobs, so it returns no prompt log-probs")
+        elif not self.token_prompts and self.detokenize is None:
+            reasons["prompt_logprobs"] = ("the server takes text prompts only and offers no "
+                                          "detokenize endpoint to turn token ids into text")
+        return Capabilities(
+            prefill_timing="prefill_timing" not in reasons, first_token_hash=False,
+            verify_logits=False, route_hits=False, position_logits=False,
+            prompt_logprobs="prompt_logprobs" not in reasons, reasons=reasons)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "tokenize": self.tokenize,
+                "detokenize": self.detokenize, "token_prompts": self.token_prompts,
+                "echo_logprobs": self.echo_logprobs, "stream": self.stream,
+                "reset_prefix_cache": self.reset_prefix_cache}
+
+
+def _resolve(doc: Mapping[str, Any], schema: Any) -> Any:
+    while isinstance(schema, Mapping) and "$ref" in schema:
+        node: Any = doc
+        for part in str(schema["$ref"]).lstrip("#/").split("/"):
+            node = node.get(part, {}) if isinstance(node, Mapping) else {}
+        schema = node
+    return schema
+
+
+def _request_schema(doc: Mapping[str, Any], operation: Mapping[str, Any]) -> dict[str, Any]:
+    content = ((operation.get("requestBody") or {}).get("content") or {})
+    schema = _resolve(doc, (content.get("application/json") or {}).get("schema") or {})
+    return schema if isinstance(schema, dict) else {}
+
+
+def _types(doc: Mapping[str, Any], schema: Any, depth: int = 0) -> set[str]:
+    """Every JSON type named anywhere in ``schema`` (through refs, unions and array items)."""
+    schema = _resolve(doc, schema)
+    if depth > 8 or not isinstance(schema, Mapping):
+        return set()
+    found = {schema["type"]} if isinstance(schema.get("type"), str) else set()
+    for key in ("anyOf", "oneOf", "allOf"):
+        for sub in schema.get(key) or []:
+            found |= _types(doc, sub, depth + 1)
+    if "items" in schema:
+        found |= _types(doc, schema["items"], depth + 1)
+    return found
 
 
 # ------------------------------------------------------------------------- processes
@@ -232,7 +355,9 @@ class ServerProcess:
 
     def wait_healthy(self) -> None:
         """Poll ``/health`` (then ``/v1/models``) until it answers 200, the process exits or
-        the startup timeout passes; the latter two are :class:`ServerError`."""
+        the startup timeout passes; the latter two are :class:`ServerError`. A server without
+        ``/health`` (404: llama_cpp.server has none) is healthy once ``/v1/models`` lists its
+        model (it loads the model before it listens)."""
         httpx = _httpx()
         deadline = time.monotonic() + self.startup_timeout_s
         with httpx.Client(base_url=self.url, timeout=5.0) as client:
@@ -240,7 +365,7 @@ class ServerProcess:
                 if self.proc.poll() is not None:
                     raise self.describe("exited before it became healthy")
                 try:
-                    if client.get("/health").status_code == 200 \
+                    if client.get("/health").status_code in (200, 404) \
                             and client.get("/v1/models").status_code == 200:
                         return
                 except httpx.HTTPError:
@@ -315,6 +440,9 @@ class ServerPool:
         self.engines: dict[tuple[tuple[str, str], ...], ServerEngine] = {}
         self.history: list[dict[str, Any]] = []  # every server started: the route proof
         self.failed: dict[tuple[tuple[str, str], ...], ServerError] = {}
+        # what the servers offer, probed once per URL given or once for the command: a route's
+        # settings change how a server computes, not which endpoints it has
+        self.apis: dict[str, ServerAPI] = {}
         self.closed = False
 
     def engine(self, selection: Mapping[str, str]) -> ServerEngine:
@@ -418,8 +546,6 @@ class ServerPool:
 class ServerEngine:
     """The engine protocol over one route selection's server (see the module docstring)."""
 
-    capabilities = SERVER_CAPABILITIES
-
     def __init__(self, pool: ServerPool, selection: dict[str, str], *,
                  stop_limit: int = STOP_LIMIT, request_timeout_s: float = 600.0) -> None:
         if stop_limit < 0:
@@ -430,6 +556,44 @@ class ServerEngine:
         self._url: str | None = None
         self.model: str | None = None
         self.server_info: dict[str, Any] = {}
+        self._bos: list[int] | None = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this server offers, probed from its API (see :class:`ServerAPI`)."""
+        return self.api.capabilities()
+
+    @property
+    def api(self) -> ServerAPI:
+        """The server's API, probed on first use (this may start the selection's server)."""
+        key = self.pool.command or self.pool.url_for(self.selection)
+        if key not in self.pool.apis:
+            self._connect()
+            self.pool.apis[key] = self._probe()
+        return self.pool.apis[key]
+
+    def _probe(self) -> ServerAPI:
+        httpx = _httpx()
+        try:
+            response = self._client.get("/openapi.json")
+        except httpx.HTTPError as exc:
+            raise self.pool.describe(self.selection, f"failed GET /openapi.json: {exc}") from None
+        try:
+            doc = response.json() if response.status_code == 200 else None
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict) or "openapi" not in doc or "paths" not in doc:
+            return ServerAPI(source=f"assumed vLLM's API (GET /openapi.json: HTTP "
+                                    f"{response.status_code}, no OpenAPI document)")
+        return ServerAPI.from_openapi(doc)
+
+    def _require(self, capability: str) -> ServerAPI:
+        api = self.api
+        caps = api.capabilities()
+        if not caps.offers(capability):
+            raise EngineUnsupported(f"server for {self.pool.label(self.selection)}: "
+                                    f"{caps.reasons[capability]}")
+        return api
 
     # ----------------------------------------------------------------- transport
     def _connect(self) -> Any:
@@ -501,32 +665,146 @@ class ServerEngine:
 
     # ----------------------------------------------------------------- protocol
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        self._connect()
-        reply = self._json("POST", "/tokenize", {"model": self.model, "prompt": text,
-                                                 "add_special_tokens": add_special_tokens})
+        """``/tokenize`` (vLLM), or ``/extras/tokenize`` (llama_cpp.server), which always adds
+        the model's BOS: it is then taken off when ``add_special_tokens`` is false (the BOS is
+        what the server puts in front of an empty text)."""
+        api = self.api
+        if api.tokenize is None:
+            raise EngineUnsupported(f"server for {self.pool.label(self.selection)}: "
+                                    f"{api.capabilities().reasons['prompt_logprobs']}")
+        if api.tokenize == "/tokenize":
+            return self._tokens({"prompt": text, "add_special_tokens": add_special_tokens})
+        tokens = self._tokens({"input": text})
+        bos = self.bos_prefix()
+        if not add_special_tokens and bos and tokens[: len(bos)] == bos:
+            tokens = tokens[len(bos):]
+        return tokens
+
+    def bos_prefix(self) -> list[int]:
+        """The token ids the server puts in front of every prompt (its BOS, or nothing)."""
+        if self._bos is None:
+            api = self.api
+            self._bos = (self._tokens({"prompt": "", "add_special_tokens": True})
+                         if api.tokenize == "/tokenize" else self._tokens({"input": ""}))
+        return list(self._bos)
+
+    def _tokens(self, body: dict[str, Any]) -> list[int]:
+        path = self.api.tokenize or "/tokenize"
+        reply = self._json("POST", path, {"model": self.model, **body})
         tokens = reply.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise self.pool.describe(self.selection, f"/tokenize returned no token ids "
+            raise self.pool.describe(self.selection, f"{path} returned no token ids "
                                                      f"({reply!r:.200})")
         return tokens
 
+    def _prompt(self, ids: list[int]) -> list[int] | str:
+        """``ids`` as the server takes a prompt: the ids themselves, or (a server that takes
+        text only) their text, which the server tokenizes with its BOS: checked to give back
+        exactly ``ids``, since scoring other tokens than asked would be a silent change."""
+        api = self.api
+        if api.token_prompts:
+            return ids
+        bos = self.bos_prefix()
+        if not bos or ids[: len(bos)] != bos:
+            raise EngineUnsupported(
+                f"server for {self.pool.label(self.selection)} takes text prompts only and "
+                f"puts {bos or 'no BOS'} in front of every prompt; ids that do not start with "
+                "it cannot be sent")
+        reply = self._json("POST", api.detokenize or "/detokenize",
+                           {"model": self.model, "tokens": ids[len(bos):]})
+        text = reply.get("text", reply.get("prompt"))
+        if not isinstance(text, str):
+            raise self.pool.describe(self.selection, f"{api.detokenize} returned no text "
+                                                     f"({reply!r:.200})")
+        if self.encode(text, add_special_tokens=True) != ids:
+            raise EngineUnsupported(
+                f"server for {self.pool.label(self.selection)} takes text prompts only, and the "
+                f"text of these {len(ids)} token ids does not tokenize back to them; score ids "
+                "that come from the server's own encode()")
+        return text
+
     def score(self, token_ids: list[int]) -> list[float]:
+        """The echoed prompt log-probs of a one-token completion. vLLM echoes one entry per
+        prompt token, the first null. llama_cpp.server drops the BOS from the echo and nulls
+        the entry after it, though that token's log-prob exists: it is then asked for as the
+        streamed one-token completion of the BOS alone, forced by ``logit_bias`` (the reported
+        log-prob is the model's, before the bias). Which of the two the server did is read from the
+        count of echoed entries, never assumed from its name."""
         ids = [int(t) for t in token_ids]
         if len(ids) < 2:
             raise ValueError("score needs at least two token ids (e.g. BOS and one token)")
-        self._connect()
-        choice = self._choice({"prompt": ids, "max_tokens": 1, "temperature": 0.0,
-                               "echo": True, "logprobs": 1})
-        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-        if not isinstance(logprobs, list) or len(logprobs) < len(ids):
+        self._require("prompt_logprobs")
+        reply = self._json("POST", "/v1/completions", {
+            "model": self.model, "prompt": self._prompt(ids), "max_tokens": 1,
+            "temperature": 0.0, "echo": True, "logprobs": 1})
+        choices = reply.get("choices") or []
+        logprobs = ((choices[0] if len(choices) == 1 else {}).get("logprobs") or {}) \
+            .get("token_logprobs")
+        generated = (reply.get("usage") or {}).get("completion_tokens")
+        if not isinstance(logprobs, list) or not isinstance(generated, int):
+            raise self.pool.describe(self.selection, f"did not echo prompt log-probs and usage "
+                                                     f"for {len(ids)} ids ({reply!r:.300})")
+        echoed = len(logprobs) - generated
+        if echoed == len(ids):
+            scores = logprobs[1 : len(ids)]
+        elif echoed == len(ids) - 1 and ids[: len(self.bos_prefix())] == self.bos_prefix() \
+                and len(self.bos_prefix()) == 1:
+            scores = [self._forced_first(ids[1]), *logprobs[1 : len(ids) - 1]]
+        else:
             raise self.pool.describe(
-                self.selection, f"did not echo {len(ids)} prompt log-probs (got "
-                                f"{None if logprobs is None else len(logprobs)}); the server "
-                                "must support echo with logprobs on token-id prompts")
-        scores = logprobs[1 : len(ids)]
+                self.selection, f"echoed {echoed} prompt log-probs for {len(ids)} prompt ids "
+                                f"(and {generated} generated); expected {len(ids)}, or "
+                                f"{len(ids) - 1} without the BOS")
         if any(not isinstance(v, (int, float)) for v in scores):
             raise self.pool.describe(self.selection, "echoed a null log-prob inside the prompt")
         return [float(v) for v in scores]
+
+    def _forced_first(self, token: int) -> float:
+        """log p(token | BOS): the streamed one-token completion of the BOS alone, with
+        ``token`` forced by a logit bias; the server must report the token it was forced to.
+        llama_cpp.server reports a non-streamed completion of an empty prompt without
+        log-probs; streamed, its first event has the model's log-prob (before the bias), and
+        its generator then fails (0.3.36: an index past its scores), so the stream is closed
+        as soon as the token's event arrives: nothing after it is needed."""
+        httpx = _httpx()
+        if "logit_bias" not in self.api.fields or not self.api.stream:
+            raise EngineUnsupported(
+                f"server for {self.pool.label(self.selection)} leaves the first token's "
+                "log-prob out of its echo and takes no logit_bias with stream to ask for it")
+        reply = self._json("POST", self.api.detokenize or "/detokenize",
+                           {"model": self.model, "tokens": [token]})
+        want = reply.get("text", reply.get("prompt"))
+        body = {"model": self.model, "prompt": "", "max_tokens": 1, "temperature": 0.0,
+                "logprobs": 1, "stream": True, "logit_bias": {str(token): FORCE_BIAS},
+                **self._neutral()}
+        values: list[Any] = []
+        pieces: list[Any] = []
+        try:
+            with self._connect().stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise self.pool.describe(self.selection, f"answered a forced completion "
+                                                             f"with HTTP {response.status_code}: "
+                                                             f"{response.text[:300]}")
+                for line in response.iter_lines():
+                    if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+                        choice = (json.loads(line[5:]).get("choices") or [{}])[0]
+                        logprobs = choice.get("logprobs") or {}
+                        values += logprobs.get("token_logprobs") or []
+                        pieces += logprobs.get("tokens") or []
+                        if values:  # the one token asked for; the stream is closed here
+                            break
+        except httpx.HTTPError as exc:
+            raise self.pool.describe(self.selection, f"failed a forced completion: "
+                                                     f"{exc}") from None
+        if len(values) != 1 or not isinstance(values[0], (int, float)) or pieces != [want]:
+            raise self.pool.describe(self.selection, f"did not complete the BOS with the forced "
+                                                     f"token {token} ({want!r}): log-probs "
+                                                     f"{values!r:.200} of tokens {pieces!r:.200}")
+        return float(values[0])
+
+    def _neutral(self) -> dict[str, float]:
+        return {k: v for k, v in NEUTRAL_SAMPLING.items() if k in self.api.fields}
 
     def generate_many(self, prompts: list[str], max_new_tokens: int,
                       stop: list[str] | None = None, sampling: Sampling | None = None,
@@ -563,7 +841,7 @@ class ServerEngine:
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_new_tokens,
                                 "temperature": sampling.temperature, "top_p": sampling.top_p,
                                 "seed": sampling.seed, "return_token_ids": True,
-                                **sampling.extra}
+                                **self._neutral(), **sampling.extra}
         if stops[: self.stop_limit]:
             body["stop"] = stops[: self.stop_limit]
         choice = self._choice(body)
@@ -588,9 +866,10 @@ class ServerEngine:
         """A streamed one-token completion; seconds = time to the first token."""
         httpx = _httpx()
         ids = [int(t) for t in token_ids]
+        prompt = self._prompt(ids)
         client = self._connect()
-        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-                "stream": True, "return_token_ids": True}
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                "stream": True, "return_token_ids": True, **self._neutral()}
         first: dict[str, Any] | None = None
         t0 = time.perf_counter()
         try:
@@ -621,6 +900,7 @@ class ServerEngine:
     def reset_prefix_cache(self) -> None:
         """``POST /reset_prefix_cache`` (vLLM offers it in its development mode)."""
         httpx = _httpx()
+        self._require("prefill_timing")
         client = self._connect()
         try:
             response = client.post("/reset_prefix_cache")
@@ -645,8 +925,10 @@ class ServerEngine:
         proof never starts a server again)."""
         live = self.pool.current == tuple(sorted(self.selection.items())) or bool(self.pool.urls)
         counters = self.route_hits() if live else self.pool.last_counters(self.selection)
+        api = self.pool.apis.get(self.pool.command or self._url or "")
         return {**self.pool.proof(self.selection), "counters": counters,
-                "model": self.model, "server": self.server_info}
+                "model": self.model, "server": self.server_info,
+                "api": api.as_dict() if api is not None else None}
 
     def close(self) -> None:
         if self._client is not None:

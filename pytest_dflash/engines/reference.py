@@ -34,6 +34,7 @@ from pytest_dflash.engines.model import (
     mlp_nvfp4,
     rms_norm,
     ssm_mixer,
+    wide,
 )
 from pytest_dflash.engines.tokenizer import BOS, EOS, decode, encode
 from pytest_dflash.native import hits
@@ -198,7 +199,8 @@ class ReferenceEngine:
     capabilities = IN_PROCESS  # in process: full logits, verify steps, route hits, timing
 
     def __init__(self, selection: Mapping[str, str], profile: str, device: str | torch.device,
-                 registry: Any = None, model_dir: str | Path | None = None) -> None:
+                 registry: Any = None, model_dir: str | Path | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.device = torch.device(device)
         self.profile = profile
         routes = _resolve(selection, registry)
@@ -208,8 +210,15 @@ class ReferenceEngine:
         self.geometry_route, self.geometry = routes[GEOMETRY]
         self.chunk = self.geometry.chunk(profile)
         self.state_dtype = self.geometry.state_dtype
-        # SM70 computes in fp16 (no bf16); the CPU profiles compute in fp32
-        self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        # SM70 computes in fp16 (no bf16); the CPU profiles compute in fp32. ``compute_dtype``
+        # float64 (with the oracle routes and an fp64 state) is the fp64 reference that measures
+        # the spread of the fp32 engine's own rounding (docs/gates.md, "agreement")
+        self.dtype = compute_dtype or (torch.float16 if self.device.type == "cuda"
+                                       else torch.float32)
+        if self.dtype not in (torch.float16, torch.float32, torch.float64):
+            raise EngineError(f"compute_dtype must be float16, float32 or float64, got "
+                              f"{self.dtype}")
+        self.work = torch.float64 if self.dtype == torch.float64 else torch.float32
         path = Path(model_dir) if model_dir is not None else default_model_dir()
         weights = path / "weights.pt"
         stat = weights.stat() if weights.is_file() else None
@@ -227,7 +236,7 @@ class ReferenceEngine:
         from dflash_kernels.nvfp4 import NVFP4Weight
 
         cfg, dev = self.cfg, self.device
-        self.w = {k: t.to(dev, torch.float32) for k, t in tensors.items() if ":" not in k}
+        self.w = {k: t.to(dev, self.work) for k, t in tensors.items() if ":" not in k}
         self.prepared: dict[str, Any] = {}
         for i in range(cfg.n_layers):
             for name in ("mlp.gate_up.weight", "mlp.down.weight"):
@@ -318,7 +327,7 @@ class ReferenceEngine:
                 self.attn.paged(qb, kv.k, kv.v, kv.table(end), end, out[b], scale, True)
             self._dispatch[self.attn_route] += 1
             self._dispatch[f"{self.attn_route}:{op}"] += 1
-        return F.linear(out.float().flatten(2), p["o.weight"])
+        return F.linear(out.to(self.work).flatten(2), p["o.weight"])
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         m = h.shape[0]
@@ -326,7 +335,7 @@ class ReferenceEngine:
         out = self.gemm.linear(act, self.prepared[f"layers.{i}.mlp.down.weight"])
         self._dispatch[self.gemm_route] += 2
         self._dispatch[f"{self.gemm_route}:m{'<=8' if m <= MAX_VERIFY_ROWS else '>8'}"] += 2
-        return out.float()
+        return out.to(self.work)
 
     def _run_chunks(self, state: _State, ids: list[int], all_logits: bool) -> tuple[
             list[torch.Tensor], int]:
@@ -382,6 +391,27 @@ class ReferenceEngine:
         logits = state.last_logits.float().cpu()
         return PrefillResult(int(logits.argmax()), hashlib.sha256(logits.numpy().tobytes())
                              .hexdigest(), len(ids), seconds, chunks)
+
+    def prefill_logits(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """Log-probs [len(positions), V] (fp64, on the CPU) of the next token after each of
+        ``positions`` (0-based; ``len(token_ids) - 1`` is the first generated token), from one
+        cold prefill in geometry chunks: the prefix cache is reset first, and the prefill stays
+        current afterwards, so :meth:`verify` continues it exactly as decoding would. What the
+        agreement check compares between two routes after the same cold prefill."""
+        ids = self._check_ids(token_ids, "prefill_logits")
+        where = [int(p) for p in positions]
+        bad = [p for p in where if not 0 <= p < len(ids)]
+        if bad:
+            raise EngineError(f"prefill_logits: positions {bad[:5]} are outside the prompt of "
+                              f"{len(ids)} tokens (0..{len(ids) - 1})")
+        self.reset_prefix_cache()
+        with self._tracked():
+            state = self._fresh()
+            outs, _ = self._run_chunks(state, ids, all_logits=True)
+            rows = torch.cat(outs)[torch.tensor(where, dtype=torch.long, device=self.device)]
+            self._store(state)
+            self._current = state
+            return torch.log_softmax(rows.double(), dim=-1).cpu()
 
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token i+1 | tokens 0..i) for every i, from a fresh state (no prefix cache)."""
@@ -485,7 +515,7 @@ class ReferenceEngine:
         if self._current is None:
             raise EngineError("verify needs a cached prefix: call prefill(prompt_ids) first")
         with self._tracked():
-            return self._forward(self._current, ids, all_logits=True, commit=False).float()
+            return wide(self._forward(self._current, ids, all_logits=True, commit=False))
 
     def reset_prefix_cache(self) -> None:
         self._prefix.clear()
@@ -543,6 +573,8 @@ class ReferenceEngine:
 
 
 def build(selection: Mapping[str, str], profile: str, device: str | torch.device = "cpu",
-          registry: Any = None, model_dir: str | Path | None = None) -> ReferenceEngine:
+          registry: Any = None, model_dir: str | Path | None = None,
+          compute_dtype: torch.dtype | None = None) -> ReferenceEngine:
     """The reference engine for a family -> route selection (missing families: baselines)."""
-    return ReferenceEngine(selection, profile, device, registry=registry, model_dir=model_dir)
+    return ReferenceEngine(selection, profile, device, registry=registry, model_dir=model_dir,
+                           compute_dtype=compute_dtype)

@@ -61,8 +61,8 @@ _TORCH_INCLUDE = re.compile(r'^\s*#\s*include\s*<(?:ATen|c10|torch)/', re.MULTIL
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 LIBRARY_STEM = "libdflash_d256"
 # The C++ runtime, named as the shared object, ahead of whatever g++ appends itself. The library
-# must use the process's libstdc++: on the H200 image (CXX=/opt/gcc/bin/g++, a GCC of its own)
-# g++ linked libstdc++ in statically, so the library carried a private copy whose locale was
+# must use the process's libstdc++: a GCC of its own (CXX=/opt/gcc/bin/g++, e.g.) linked
+# libstdc++ in statically, so the library carried a private copy whose locale was
 # never initialised, and formatting any error message that holds a number crashed the process
 # (SIGSEGV in std::ostream::_M_insert<long>) instead of raising (docs/cuda.md). Named first, the
 # shared object resolves every C++ runtime symbol and no archive member is pulled in.

@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from pytest_dflash.evidence.fingerprint import sha256_file as file_sha256
-from pytest_dflash.settings import SIDECAR_ENV
 
 NAMESPACE = "dflash_d256"
 REQUIRED_OPS: tuple[str, ...] = ("dense", "paged")
 OPTIONAL_OPS: tuple[str, ...] = ("dense_splitkv",)
+SIDECAR_ENV = "DFLASH_D256_LIBRARY"  # the explicit sidecar library, also for child processes
 STATES: tuple[str, ...] = ("bundled", "sidecar", "partial", "missing")
 PROBE_TIMEOUT_S = 300.0
 # the package's own build, compiled on first use

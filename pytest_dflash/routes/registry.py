@@ -44,6 +44,11 @@ class Route:
     its validation-cost gates compare it with (what serves verification while it is off). The
     gate self-test uses it to compare a wrapped route with the verify route wrapped the same
     way, so the wrapper's own per-call cost is paid on both sides.
+
+    ``server_env`` is what a server started by ``--dflash-serve`` gets in its environment while
+    the route is switched on, besides ``NAME=1``: the settings of a server that reads them from
+    its environment (llama_cpp.server reads ``FLASH_ATTN``, ``N_UBATCH``, ``TYPE_K``, ...), so
+    a route of a stack nobody here wrote is switched by that stack's own settings.
     """
 
     name: str
@@ -58,6 +63,7 @@ class Route:
     switch: str | None = None
     description: str = ""
     verify_route: str | None = None
+    server_env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -68,6 +74,13 @@ class Route:
             )
         object.__setattr__(self, "gates", tuple(self.gates))
         object.__setattr__(self, "engine", MappingProxyType(dict(self.engine)))
+        bad = {k: v for k, v in dict(self.server_env).items()
+               if not (isinstance(k, str) and k and isinstance(v, str))}
+        if bad:
+            raise RegistryError(f"route {self.name!r}: server_env must map non-empty variable "
+                                f"names to string values, got {bad!r}; e.g. "
+                                "server_env={'N_UBATCH': '128'}")
+        object.__setattr__(self, "server_env", MappingProxyType(dict(self.server_env)))
         try:
             for kind in self.gates:
                 check_kind(kind)

@@ -49,7 +49,7 @@ SHIPPED_ROUTES: tuple[Route, ...] = (
     Route(f"{GEOMETRY}.fp32_q3296", GEOMETRY, "baseline", default_enabled=True,
           impl="pytest_dflash.engines.geometry:FP32_Q3296"),
     Route(f"{GEOMETRY}.fp32_q6592", GEOMETRY, "candidate", baseline=f"{GEOMETRY}.fp32_q3296",
-          gates=("speed",), impl="pytest_dflash.engines.geometry:FP32_Q6592"),
+          gates=("speed", "ppl"), impl="pytest_dflash.engines.geometry:FP32_Q6592"),
     Route(f"{GEOMETRY}.fp16_q7920", GEOMETRY, "candidate", baseline=f"{GEOMETRY}.fp32_q3296",
           gates=("speed", "ppl", "quality"), impl="pytest_dflash.engines.geometry:FP16_Q7920"),
 )

@@ -65,7 +65,6 @@ from pathlib import Path
 from typing import Literal
 
 from pytest_dflash.sandbox import seccomp
-from pytest_dflash.settings import ALLOW_UNJAILED_ENV
 
 Status = Literal["passed", "failed", "timeout", "killed", "error"]
 
@@ -74,6 +73,8 @@ SETUP_FAILED = 120
 #: exit status the bootstrap uses when the program raised SystemExit (even with code 0)
 PROGRAM_EXITED = 121
 
+#: environment variable that opts in to running generated code without a file-system jail
+ALLOW_UNJAILED_ENV = "DFLASH_ALLOW_UNJAILED"
 _UNPRIVILEGED_FALLBACK_UID = 65534
 #: the working directory inside the jail (on the private, size-capped /tmp)
 JAIL_WORKDIR = "/tmp/work"
@@ -367,8 +368,8 @@ def _jail_view() -> list[tuple[str, str, str]]:
     binds = _interpreter_files()
     shown = [Path(name) for op, name, _ in view if op == "bind"] + binds
     hidden = _hidden(binds, shown)
-    # Parents of the binds outside the system directories (e.g. /root/.pyenv/...) are created
-    # traversable and empty: bwrap would copy the host's mode (0700 for /root).
+    # Parents of the binds outside the system directories (e.g. a pyenv under a home directory)
+    # are created traversable and empty: bwrap would copy the host's mode (0700 for /root).
     system = [Path(name) for name in _SYSTEM_DIRS]
     parents = sorted({parent for path in binds for parent in path.parents
                       if parent != Path("/") and not any(s == parent or s in parent.parents

@@ -21,25 +21,25 @@ def pytest_dflash_routes(registry: Any) -> None:
 
     Example, an engine repository adding an attention candidate to the shipped family:
 
-    .. code-block:: python
-
-        from pytest_dflash import Route
-        def pytest_dflash_routes(registry):
-            registry.register(Route(
-                "attn.d256.mine", family="attn.d256", role="candidate",
-                baseline="attn.d256.sdpa", gates=("parity", "speed"),
-                impl="my_engine.attention:MINE"))
+    ```python
+    from pytest_dflash import Route
+    def pytest_dflash_routes(registry):
+        registry.register(Route(
+            "attn.d256.mine", family="attn.d256", role="candidate",
+            baseline="attn.d256.sdpa", gates=("parity", "speed"),
+            impl="my_engine.attention:MINE"))
+    ```
 
     A new family is declared the same way, with its contract and the routes its gates need:
 
-    .. code-block:: python
-
-        from pytest_dflash import Family, Route
-        def pytest_dflash_routes(registry):
-            registry.declare(Family("rope.yarn", contract=MyRopeProtocol,
-                                    baseline="rope.yarn.torch", oracle="rope.yarn.fp64"))
-            registry.register(Route("rope.yarn.fp64", "rope.yarn", "oracle", impl=...))
-            ...
+    ```python
+    from pytest_dflash import Family, Route
+    def pytest_dflash_routes(registry):
+        registry.declare(Family("rope.yarn", contract=MyRopeProtocol,
+                                baseline="rope.yarn.torch", oracle="rope.yarn.fp64"))
+        registry.register(Route("rope.yarn.fp64", "rope.yarn", "oracle", impl=...))
+        ...
+    ```
     """
 
 
@@ -54,12 +54,12 @@ def pytest_dflash_engine(config: pytest.Config, selection: dict[str, str], profi
 
     Example, a serving engine of your own:
 
-    .. code-block:: python
-
-        def pytest_dflash_engine(config, selection, profile):
-            if config.option.my_engine:
-                return MyEngine(attention=selection["attn.d256"],
-                                linear=selection["gemm.nvfp4"],
-                                geometry=selection["prefill.geometry"])
-            return None  # let the reference engine answer
+    ```python
+    def pytest_dflash_engine(config, selection, profile):
+        if config.option.my_engine:
+            return MyEngine(attention=selection["attn.d256"],
+                            linear=selection["gemm.nvfp4"],
+                            geometry=selection["prefill.geometry"])
+        return None  # let the reference engine answer
+    ```
     """

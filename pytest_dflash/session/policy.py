@@ -53,6 +53,22 @@ class Policy:
     # and per byte (exp(NLL / UTF-8 bytes)): comparable across tokenizers; for a byte-level
     # tokenizer the very same number as the per-token figure
     ppl_byte_tolerance: float = 0.01
+    # ppl, long contexts: |PPL(candidate) - PPL(baseline)| per position band (before the first
+    # chunk seam, the ppl_band_tokens positions after each seam, the last ppl_band_tokens)
+    ppl_band_tolerance: float = 0.01
+    ppl_band_tokens: int = 128
+    # speed (prefill.geometry), agreement after each cold prefill pair: the greedy next token
+    # must equal the baseline's, and KL(candidate || baseline) of the next-token distributions
+    # at the agreement_rows positions after every seam and on agreement_rows verify rows decoded
+    # on the prefill must stay <= agreement_kl_bound. Measured at those positions (ci prompts,
+    # CPU; benchmarks/results/cpu-seam-figures.json), KL(engine || fp64 reference) was at most
+    # 1.08e-12 computing in fp32 and 3.27e-7 computing in fp16 as the SM70 deployment does. The
+    # bound is 4x the fp16 figure, rounded up (two routes each within that rounding of the exact
+    # result differ by up to twice it in logits, four times in KL): a route may move the
+    # predictions no more than the deployment's own arithmetic does. It is over 1e6 times the
+    # fp32 engine's spread, so a KL over it is never rounding noise of the reference.
+    agreement_rows: int = 8
+    agreement_kl_bound: float = 2e-6
     # quality: paired McNemar exact test on discordant tasks, plus output-contract margins
     quality_alpha: float = 0.05
     quality_contract_margin: int = 0
@@ -70,6 +86,10 @@ class Policy:
             raise PolicyError(f"cpu_sample_min_s must be >= 0 seconds (0: one call per sample), "
                               f"got {self.cpu_sample_min_s}; fix [tool.pytest-dflash] "
                               f"cpu_sample_min_s")
+        if self.ppl_band_tokens < 1 or self.agreement_rows < 1:
+            raise PolicyError(f"ppl_band_tokens and agreement_rows must be >= 1 position, got "
+                              f"{self.ppl_band_tokens} and {self.agreement_rows}; fix "
+                              f"[tool.pytest-dflash]")
         if self.quality_batch < 1:
             raise PolicyError(f"quality_batch must be >= 1 (completions decoded together), got "
                               f"{self.quality_batch}; set [tool.pytest-dflash] quality_batch = 1 "

@@ -28,6 +28,8 @@ class ProfileSizes:
     # model-level gates (reference engine, pytest_dflash.engines.data)
     ppl_segments: int  # ppl: held-out segments scored
     ppl_bytes: int  # ppl: bytes of each segment scored (BOS-prefixed)
+    ppl_long_contexts: int  # ppl: held-out long contexts scored by position band
+    ppl_long_tokens: int  # ppl: least tokens of each (more where 3 seams of a chunk need more)
     quality_tasks: int  # quality: held-out coding tasks generated per route
     prefill_lengths: tuple[int, ...]  # speed (prefill.geometry): prompt lengths, 32K:64K ratio
     verify_prompt: int  # validation_cost (engine): prompt prefilled before the verify steps
@@ -46,15 +48,18 @@ class ProfileSizes:
 
 SIZES: dict[str, ProfileSizes] = {
     "quick": ProfileSizes(
-        ppl_segments=2, ppl_bytes=128, quality_tasks=4, prefill_lengths=(256, 512),
+        ppl_segments=2, ppl_bytes=128, ppl_long_contexts=1, ppl_long_tokens=2048,
+        quality_tasks=4, prefill_lengths=(256, 512),
         verify_prompt=64, geometry_divisor=16, gemm_divisor=32, benchmark_rounds=3,
         attn_long_t=(512,), attn_paged=(97, 203), attn_speed_t=(512,)),
     "ci": ProfileSizes(
-        ppl_segments=8, ppl_bytes=512, quality_tasks=20, prefill_lengths=(512, 1024),
+        ppl_segments=8, ppl_bytes=512, ppl_long_contexts=1, ppl_long_tokens=4096,
+        quality_tasks=20, prefill_lengths=(512, 1024),
         verify_prompt=512, geometry_divisor=8, gemm_divisor=8, benchmark_rounds=10,
         attn_long_t=(1024, 4096), attn_paged=(301, 1001), attn_speed_t=(2048, 4096)),
     "full": ProfileSizes(
-        ppl_segments=16, ppl_bytes=1024, quality_tasks=300, prefill_lengths=(32768, 65536),
+        ppl_segments=16, ppl_bytes=1024, ppl_long_contexts=2, ppl_long_tokens=32768,
+        quality_tasks=300, prefill_lengths=(32768, 65536),
         verify_prompt=4096, geometry_divisor=1, gemm_divisor=1, benchmark_rounds=30,
         attn_long_t=(2048, 8192, 32768, 65536), attn_paged=(1031, 4099),
         attn_speed_t=(32768, 65536)),
