@@ -88,6 +88,8 @@ def test_outside_plugin_wraps_the_default_engine(
         "dflash_suites",
         "-m",
         "ppl",
+        "-k",
+        "heldout_segments",
         "--dflash-route",
         "prefill.geometry.fp16_q7920",
         "--dflash-profile",
