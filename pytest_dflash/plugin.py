@@ -76,7 +76,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 @pytest.hookimpl(trylast=True)
 def pytest_dflash_engine(config: pytest.Config, selection: dict[str, str], profile: str) -> Any:
     """The default engine, asked last, built from the session's route registry: the reference
-    engine on the gate device, or a server engine under --dflash-serve / --dflash-engine-url."""
+    engine on the gate device, the transformers engine under --dflash-engine hf:PATH, or a
+    server engine under --dflash-serve / --dflash-engine-url."""
     return engine_setup.factory_of(config).build(selection)
 
 

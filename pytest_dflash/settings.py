@@ -47,6 +47,8 @@ class Settings:
     compare: str | None = None
     benchmark_skip: bool = False
     benchmark_only: bool = False
+    engine: str = "reference"  # "reference" or "hf" (then hf_model is the model directory)
+    hf_model: Path | None = None
     serve: str | None = None
     engine_urls: dict[str, str] = field(default_factory=dict)
     serve_timeout_s: float = 600.0
@@ -99,6 +101,10 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption("--dflash-compare", nargs="?", const="latest", default=None, metavar="REF",
                     help="compare this run with a kept run (sequence number, save name, "
                          "default the newest) or a report file, in the terminal summary")
+    group.addoption("--dflash-engine", default=None, metavar="ENGINE",
+                    help="the in-process engine of the model-level gates: 'reference' (the "
+                         "default), 'hf:PATH' for a local Hugging Face causal LM, or 'hf' for "
+                         "the tiny one shipped (extra [hf]; docs/engines.md)")
     group.addoption("--dflash-serve", default=None, metavar="CMD",
                     help="gate a server: the command that starts an OpenAI-compatible server "
                          "with {port} for its port, run once per route selection with that "
@@ -117,6 +123,7 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("dflash_strict", "default for --dflash-strict", type="bool", default=False)
     parser.addini("dflash_merge", "default for --dflash-merge", type="bool", default=False)
     parser.addini("dflash_selftest", "default for --dflash-selftest", type="bool", default=False)
+    parser.addini("dflash_engine", "default for --dflash-engine", default="")
     parser.addini("dflash_serve", "default for --dflash-serve", default="")
     parser.addini("dflash_engine_url", "default for --dflash-engine-url (one KEY=URL a line)",
                   type="linelist", default=[])
@@ -205,9 +212,33 @@ def _sidecar(option: str | None) -> Path | None:
     return path
 
 
+def _engine(config: pytest.Config, spec: str) -> tuple[str, Path | None]:
+    """``--dflash-engine``: ("reference", None) or ("hf", model directory); a bad value is a
+    usage error naming the fix (unknown engine, a missing directory, transformers missing)."""
+    spec = spec.strip()
+    if spec in ("", "reference"):
+        return "reference", None
+    kind, _, path = spec.partition(":")
+    if kind != "hf":
+        raise pytest.UsageError(f"--dflash-engine {spec!r}: unknown engine; give 'reference', "
+                                "'hf' (the shipped tiny model) or 'hf:PATH' (a local Hugging "
+                                "Face causal LM directory)")
+    from pytest_dflash.engines import transformers as hf
+
+    reason = hf.missing_library()
+    if reason:
+        raise pytest.UsageError(f"--dflash-engine {spec}: {reason}")
+    model = _under(Path(config.invocation_params.dir), path) if path else hf.default_model_dir()
+    try:
+        return "hf", hf.check_model_dir(model)
+    except hf.EngineError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
 def _engine_options(config: pytest.Config, pick: Any) -> dict[str, Any]:
-    """``--dflash-serve`` / ``--dflash-engine-url`` / ``--dflash-serve-timeout`` /
-    ``--dflash-data``, checked now, before any test or server runs."""
+    """``--dflash-engine`` / ``--dflash-serve`` / ``--dflash-engine-url`` /
+    ``--dflash-serve-timeout`` / ``--dflash-data``, checked now, before any test or server
+    runs."""
     from pytest_dflash.engines.data import DataError, check_data_dir
     from pytest_dflash.engines.openai_server import parse_engine_urls
 
@@ -228,6 +259,10 @@ def _engine_options(config: pytest.Config, pick: Any) -> dict[str, Any]:
     if serve and urls:
         raise pytest.UsageError("--dflash-serve starts servers, --dflash-engine-url names "
                                 "running ones: give one of them")
+    engine, hf_model = _engine(config, pick("engine") or "")
+    if hf_model is not None and (serve or urls):
+        raise pytest.UsageError("--dflash-engine hf runs the model in process; --dflash-serve "
+                                "and --dflash-engine-url gate servers: give one of them")
     if serve and "{port}" not in serve:
         raise pytest.UsageError(f"--dflash-serve {serve!r} must contain {{port}} where the "
                                 "server's port goes, e.g. 'vllm serve MODEL --port {port}'")
@@ -240,5 +275,5 @@ def _engine_options(config: pytest.Config, pick: Any) -> dict[str, Any]:
             data = check_data_dir(_under(Path(config.invocation_params.dir), data))
         except DataError as exc:
             raise pytest.UsageError(str(exc)) from None
-    return {"serve": serve, "engine_urls": urls, "serve_timeout_s": float(timeout),
-            "data": data or None}
+    return {"engine": engine, "hf_model": hf_model, "serve": serve, "engine_urls": urls,
+            "serve_timeout_s": float(timeout), "data": data or None}

@@ -3,8 +3,9 @@ selection, closed when the session ends.
 
 Engines are always built from the *session's* registry, so routes registered by an outside
 plugin or conftest reach the model-level gates exactly like the shipped ones. Which engine is
-built depends on the options: the in-process reference engine by default, a server engine when
-``--dflash-serve`` or ``--dflash-engine-url`` is given (``openai_server``).
+built depends on the options: the in-process reference engine by default, the transformers
+engine of a local Hugging Face model with ``--dflash-engine hf:PATH`` (``transformers``), a
+server engine when ``--dflash-serve`` or ``--dflash-engine-url`` is given (``openai_server``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,13 @@ class EngineFactory:
 
     def __init__(self, registry: Any, profile: str, device: str, *, serve: str | None = None,
                  urls: Mapping[str, str] | None = None, startup_timeout_s: float = 600.0,
-                 request_timeout_s: float = 600.0, log_dir: Path | None = None) -> None:
+                 request_timeout_s: float = 600.0, log_dir: Path | None = None,
+                 hf_model: Path | None = None) -> None:
+        if hf_model is not None and (serve or urls):
+            raise ValueError("the transformers engine runs in process: give hf_model or a "
+                             "server (serve / urls), not both")
         self.registry, self.profile, self.device = registry, profile, device
+        self.hf_model = hf_model
         self.pool = None
         if serve or urls:
             from pytest_dflash.engines.openai_server import ServerPool
@@ -35,6 +41,8 @@ class EngineFactory:
 
     @property
     def kind(self) -> str:
+        if self.hf_model is not None:
+            return f"transformers ({self.hf_model})"
         if self.pool is None:
             return "reference"
         return "server (--dflash-serve)" if self.pool.command else "server (--dflash-engine-url)"
@@ -42,8 +50,18 @@ class EngineFactory:
     def build(self, selection: Mapping[str, str]) -> Any:
         """The default engine for ``selection`` (family -> route; missing families: baselines)."""
         full = {**self.registry.engine_selection(), **dict(selection)}
+        for family, name in selection.items():
+            route = self.registry.get(name)  # unknown name: an error listing the known routes
+            if route.family != family:
+                raise ValueError(f"selection maps family {family!r} to route {name!r}, which "
+                                 f"is of family {route.family!r}")
         if self.pool is not None:
             engine = self.pool.engine(full)
+        elif self.hf_model is not None:
+            from pytest_dflash.engines import transformers
+
+            engine = transformers.build(self.hf_model, full, self.profile, device=self.device,
+                                        registry=self.registry)
         else:
             from pytest_dflash.engines import reference
 

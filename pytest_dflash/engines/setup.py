@@ -1,9 +1,10 @@
 """The engine factory of a pytest session (docs/engines.md).
 
-The engine options (``--dflash-serve``, ``--dflash-engine-url``, ``--dflash-serve-timeout``,
-``--dflash-data``) are checked by :mod:`pytest_dflash.settings` when the session starts; the
-session's :class:`~pytest_dflash.engines.factory.EngineFactory` is built here on first use from
-the session's route registry, and closed when the session ends, so no server outlives it.
+The engine options (``--dflash-engine``, ``--dflash-serve``, ``--dflash-engine-url``,
+``--dflash-serve-timeout``, ``--dflash-data``) are checked by :mod:`pytest_dflash.settings` when
+the session starts; the session's :class:`~pytest_dflash.engines.factory.EngineFactory` is built
+here on first use from the session's route registry, and closed when the session ends, so no
+server outlives it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def factory_of(config: pytest.Config) -> Any:
         factory = EngineFactory(
             state_of(config).registry, profile_of(config), device_info(config)["type"],
             serve=asked.serve, urls=asked.engine_urls, startup_timeout_s=asked.serve_timeout_s,
+            hf_model=asked.hf_model,
             log_dir=Path(config.rootpath) / ".dflash" / "server-logs" if asked.serve else None)
         config.stash[FACTORY] = factory
     return factory

@@ -87,14 +87,22 @@ def dflash_record(request: pytest.FixtureRequest) -> Callable[..., None]:
 @pytest.fixture(scope="session")
 def dflash_engine(pytestconfig: pytest.Config) -> Callable[[dict[str, str]], Any]:
     """Factory: ``dflash_engine(selection)`` builds (once per selection) an engine via the
-    ``pytest_dflash_engine`` hook; the embedded reference engine answers last."""
+    ``pytest_dflash_engine`` hook; the embedded reference engine answers last. An engine that
+    cannot run a selection at all (``EngineUnsupported``: a route it cannot switch, a server
+    nobody named) skips the test with the engine's reason: the gate stays pending."""
+    from pytest_dflash.engines import EngineUnsupported
+
     cache: dict[tuple[tuple[str, str], ...], Any] = {}
 
     def build(selection: dict[str, str]) -> Any:
         key = tuple(sorted(selection.items()))
         if key not in cache:
-            engine = pytestconfig.hook.pytest_dflash_engine(
-                config=pytestconfig, selection=dict(selection), profile=profile_of(pytestconfig))
+            try:
+                engine = pytestconfig.hook.pytest_dflash_engine(
+                    config=pytestconfig, selection=dict(selection),
+                    profile=profile_of(pytestconfig))
+            except EngineUnsupported as exc:
+                pytest.skip(f"the engine cannot run this selection: {exc}")
             if engine is None:
                 raise RuntimeError("no pytest_dflash_engine implementation built an engine")
             cache[key] = engine_setup.factory_of(pytestconfig).adopt(engine)  # closed at the end

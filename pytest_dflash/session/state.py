@@ -75,6 +75,11 @@ def start(config: pytest.Config) -> DflashState:
     config.stash[STATE] = state
     if not config.pluginmanager.is_registered(shipped):
         config.pluginmanager.register(shipped, "dflash-shipped-routes")
+    if asked.engine == "hf":  # the transformers engine's own routes, only while it is selected
+        from pytest_dflash.engines import transformers as hf_engine
+
+        if not config.pluginmanager.is_registered(hf_engine):
+            config.pluginmanager.register(hf_engine, "dflash-hf-routes")
     try:
         state.policy = load_policy(config.rootpath)
         config.hook.pytest_dflash_routes(registry=state.registry)
