@@ -79,6 +79,25 @@ def test_prefill_and_verify_run_on_the_cached_prefix() -> None:
         small.verify(ids[:9])
 
 
+def test_prefill_logits_across_seams_match_one_full_forward() -> None:
+    """The agreement check's rows: log-probs at positions after every chunk seam of one cold
+    chunked prefill equal the library's full forward, and verify then continues that prefix."""
+    small = engine(hf.Q824.name)
+    ids = small.encode(TEXT, add_special_tokens=True)
+    prompt, draft = ids[:-4], ids[-4:]
+    seams = list(range(small.chunk, len(prompt), small.chunk))
+    assert len(seams) >= 3
+    where = [s + 1 for s in seams] + [len(prompt) - 1]
+    rows = small.prefill_logits(prompt, where)
+    expected = torch.log_softmax(full_logits(small, prompt).double(), dim=-1)[where]
+    assert rows.shape == (len(where), small.vocab) and rows.dtype == torch.float64
+    assert torch.allclose(rows, expected, atol=1e-4)
+    after = small.verify(draft)
+    assert torch.allclose(after, full_logits(small, ids)[-len(draft):], atol=1e-4)
+    with pytest.raises(hf.EngineError, match="outside the prompt"):
+        small.prefill_logits(prompt, [len(prompt)])
+
+
 def test_quantized_cache_verify_keeps_its_prefix() -> None:
     pytest.importorskip("optimum.quanto")
     quant = engine(hf.KV_QUANTO_INT2.name)

@@ -428,6 +428,24 @@ class TransformersEngine:
             chunks,
         )
 
+    def prefill_logits(self, token_ids: list[int], positions: list[int]) -> Any:
+        """Log-probs [len(positions), vocab] (fp64, on the CPU) of the next token after each of
+        ``positions``, from one cold prefill in the route's chunks over a fresh cache, which then
+        stays the prefix of ``verify``: what the cold-prefill agreement check compares."""
+        import torch
+
+        ids = self._check_ids(token_ids, "prefill_logits")
+        where = [int(p) for p in positions]
+        bad = [p for p in where if not 0 <= p < len(ids)]
+        if bad:
+            raise EngineError(f"prefill_logits: positions {bad[:5]} are outside the prompt of "
+                              f"{len(ids)} tokens (0..{len(ids) - 1})")
+        cache = self._new_cache(len(ids) + MAX_VERIFY_ROWS)
+        outs, _ = self._run_chunks(ids, cache, all_logits=True)
+        self._cache, self._prefix = cache, ids
+        rows = torch.cat(outs)[torch.tensor(where, dtype=torch.long, device=self.device)]
+        return torch.log_softmax(rows.double(), dim=-1).cpu()
+
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token i+1 | tokens 0..i) for every i, from all logits of a fresh cache."""
         import torch
