@@ -40,9 +40,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytest_dflash.measure.statistics import ProcessSample
+if TYPE_CHECKING:  # numpy stays off the plugin's import path
+    from pytest_dflash.measure.statistics import ProcessSample
 
 PROTOCOL_FD_ENV = "DFLASH_TIMING_PROTOCOL_FD"
 START_TIMEOUT_S = 300.0
@@ -321,6 +322,8 @@ class TimingPool:
         process contributes twice to one gate's interval. Workers a look needs beyond those
         running are started then and stay in the pool, so a later gate's later look finds them.
         """
+        from pytest_dflash.measure.statistics import ProcessSample
+
         self._ensure(label, max(self.size, first + count))
         samples: list[ProcessSample] = []
         for i, worker in enumerate(self._workers[first : first + count]):
