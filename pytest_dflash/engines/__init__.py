@@ -12,7 +12,7 @@ offers in ``capabilities``; a gate that needs what is missing stays pending with
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
@@ -24,6 +24,21 @@ CAPABILITIES: tuple[str, ...] = ("prefill_timing", "first_token_hash", "verify_l
 
 class EngineUnsupported(RuntimeError):
     """The engine cannot do this at all (not a failure of the route it runs)."""
+
+
+class EngineError(ValueError):
+    """A call, selection or model an engine cannot run; the message says what to change."""
+
+
+def check_positions(positions: Sequence[int], length: int, what: str) -> list[int]:
+    """``positions`` as ints, each inside a prompt of ``length`` tokens, else an EngineError
+    naming the first bad ones (``prefill_logits`` of every in-process engine)."""
+    where = [int(p) for p in positions]
+    bad = [p for p in where if not 0 <= p < length]
+    if bad:
+        raise EngineError(f"{what}: positions {bad[:5]} are outside the prompt of "
+                          f"{length} tokens (0..{length - 1})")
+    return where
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pytest_dflash.engines import IN_PROCESS, Generation, PrefillResult, Sampling
+from pytest_dflash.engines import (
+    IN_PROCESS,
+    EngineError,
+    Generation,
+    PrefillResult,
+    Sampling,
+    check_positions,
+)
 from pytest_dflash.engines.geometry import KV_BLOCK_SIZE
 from pytest_dflash.engines.model import (
     ModelConfig,
@@ -45,10 +52,6 @@ MAX_VERIFY_ROWS = 8
 PREFIX_CACHE_ENTRIES = 8
 # Decode/verify steps at most this long use the recurrent (reference) SSM form, as a decoder does.
 RECURRENT_MAX_TOKENS = MAX_VERIFY_ROWS
-
-
-class EngineError(ValueError):
-    """A selection or input the reference engine cannot run; the message says what to change."""
 
 
 def default_model_dir() -> Path:
@@ -399,11 +402,7 @@ class ReferenceEngine:
         current afterwards, so :meth:`verify` continues it exactly as decoding would. What the
         agreement check compares between two routes after the same cold prefill."""
         ids = self._check_ids(token_ids, "prefill_logits")
-        where = [int(p) for p in positions]
-        bad = [p for p in where if not 0 <= p < len(ids)]
-        if bad:
-            raise EngineError(f"prefill_logits: positions {bad[:5]} are outside the prompt of "
-                              f"{len(ids)} tokens (0..{len(ids) - 1})")
+        where = check_positions(positions, len(ids), "prefill_logits")
         self.reset_prefix_cache()
         with self._tracked():
             state = self._fresh()

@@ -42,10 +42,12 @@ from typing import Any
 
 from pytest_dflash.engines import (
     IN_PROCESS,
+    EngineError,
     EngineUnsupported,
     Generation,
     PrefillResult,
     Sampling,
+    check_positions,
 )
 from pytest_dflash.routes.registry import Route
 
@@ -57,10 +59,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 CACHES = ("dynamic", "static", "quantized")
 ENGINE_NAME = "hf"
 INSTALL_HINT = "pip install 'pytest-dflash[hf]'"
-
-
-class EngineError(ValueError):
-    """A bad call or model directory (empty ids, a draft wider than 8, no config.json...)."""
 
 
 def default_model_dir() -> Path:
@@ -435,11 +433,7 @@ class TransformersEngine:
         import torch
 
         ids = self._check_ids(token_ids, "prefill_logits")
-        where = [int(p) for p in positions]
-        bad = [p for p in where if not 0 <= p < len(ids)]
-        if bad:
-            raise EngineError(f"prefill_logits: positions {bad[:5]} are outside the prompt of "
-                              f"{len(ids)} tokens (0..{len(ids) - 1})")
+        where = check_positions(positions, len(ids), "prefill_logits")
         cache = self._new_cache(len(ids) + MAX_VERIFY_ROWS)
         outs, _ = self._run_chunks(ids, cache, all_logits=True)
         self._cache, self._prefix = cache, ids
