@@ -192,7 +192,9 @@ def test_seam_defects_are_caught_and_a_correct_route_passes(pytester: pytest.Pyt
             mine = [t for t in tests if NODE[part] in t["nodeid"]]
             assert mine, f"{name}: no {part} test ran ({[t['nodeid'] for t in tests]})"
             seen = [(t["nodeid"], t["outcome"], t["message"][:400]) for t in mine]
-            assert all(t["outcome"] in ("passed", "failed") for t in mine), (name, seen)
+            # judged, never errored; two timing rounds may leave the timing itself inconclusive
+            assert all(t["outcome"] in ("passed", "failed", "inconclusive") for t in mine), (
+                name, seen)
             if part == "agreement":
                 agreement = [t["measurements"]["agreement"] for t in mine]
                 caught = [DISAGREES in t["message"] for t in mine]
