@@ -337,7 +337,7 @@ class _Launcher:
         if self.jail == "bwrap":
             jail = [*self.prefix, "--size", str(disk_bytes), "--perms", "1777", "--tmpfs", "/tmp",
                     "--perms", "0777", "--dir", JAIL_WORKDIR,
-                    "--ro-bind", str(root / "main.py"), f"{JAIL_WORKDIR}/main.py",
+                    "--ro-bind", str(root / "program.py"), f"{JAIL_WORKDIR}/program.py",
                     "--chdir", JAIL_WORKDIR, "--"]
             return jail + list(self.drop), Path(JAIL_WORKDIR)
         if self.jail == "chroot":
@@ -345,7 +345,7 @@ class _Launcher:
             unshare, chroot, *specs = self.prefix
             jail = [unshare, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
                     "--kill-child", "--", "/bin/sh", "-c", _CHROOT_SCRIPT, "dflash-jail",
-                    str(root / "jail"), str(root / "main.py"), str(disk_bytes), chroot, *specs,
+                    str(root / "jail"), str(root / "program.py"), str(disk_bytes), chroot, *specs,
                     "--"]
             return jail + list(self.drop), Path(JAIL_WORKDIR)
         work = root / "work"
@@ -435,7 +435,7 @@ for d in null zero full random urandom; do
 done
 mount -t tmpfs -o "mode=1777,size=$size,nosuid,nodev" dflash-tmp "$new/tmp"
 mkdir -m 0777 "$new/tmp/work"
-cp "$program" "$new/tmp/work/main.py"; chmod 0444 "$new/tmp/work/main.py"
+cp "$program" "$new/tmp/work/program.py"; chmod 0444 "$new/tmp/work/program.py"
 mount -o remount,ro "$new"
 "$chroot" "$new" "$@"
 """
@@ -761,19 +761,19 @@ def _execute(launcher: _Launcher, program: str, *, timeout_s: float, memory_mb: 
     root = Path(tempfile.mkdtemp(prefix="dflash-sandbox-"))
     try:
         # root: parent-only (0711: an unjailed child may traverse it, not list or open its
-        # files); main.py is bound read-only into the jail; work: the unjailed child's directory.
+        # files); program.py is bound read-only into the jail; work: the unjailed child's directory.
         root.chmod(0o711)
-        (root / "main.py").write_text(program, encoding="utf-8")
-        (root / "main.py").chmod(0o644)
+        (root / "program.py").write_text(program, encoding="utf-8")
+        (root / "program.py").chmod(0o644)
         chain, workdir = launcher.argv(root, disk_bytes)
-        program_path = workdir / "main.py"
+        program_path = workdir / "program.py"
         if not launcher.jail:
             work = root / "work"
             work.mkdir(mode=0o700)
-            shutil.copy(root / "main.py", work / "main.py")
+            shutil.copy(root / "program.py", work / "program.py")
             if launcher.uid is not None:
                 os.chown(work, launcher.uid, launcher.uid)
-                os.chown(work / "main.py", launcher.uid, launcher.uid)
+                os.chown(work / "program.py", launcher.uid, launcher.uid)
         config = json.dumps({"workdir": str(workdir), "program": str(program_path),
                              "limits": limits, "seccomp": launcher.seccomp})
         interpreter = str(_interpreter()) if launcher.jail else sys.executable
