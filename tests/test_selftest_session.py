@@ -94,7 +94,7 @@ def test_validation_cost_defects_are_caught(pytester: pytest.Pytester) -> None:
 def test_a_two_round_speed_gate_cannot_resolve_the_policy_gain(pytester: pytest.Pytester) -> None:
     pytester.makepyprojecttoml(
         "[tool.pytest-dflash]\nspeed_rounds = 2\nspeed_max_rounds = 2\ntiming_processes = 2\n"
-        "timing_max_processes = 2\ntiming_rounds_per_process = 2\n"
+        "timing_max_processes = 2\ntiming_min_rounds_per_process = 2\n"
         "timing_max_rounds_per_process = 2\n")
     result, report = _run(pytester, "-m", "sm70",
                           "--dflash-gate", "gemm.nvfp4.qpn4_bounded:speed")

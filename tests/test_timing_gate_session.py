@@ -87,7 +87,7 @@ PYPROJECT = """
 [tool.pytest-dflash]
 timing_processes = 3
 timing_max_processes = 3
-timing_rounds_per_process = 8
+timing_min_rounds_per_process = 8
 """
 
 ROUTE = ["--dflash-route", "toy.spin.slow", "--dflash-device", "cpu", "-p", "no:cacheprovider"]

@@ -28,6 +28,7 @@ from pytest_dflash.session.policy import Policy
 POLICY = Policy()
 BIAS = 0.01  # sigma of the per-process log bias: 1%, well inside what the host path shows
 NOISE = 0.03  # sigma of the per-round log noise
+ROUNDS = 24  # what a worker's time budget (policy timing_process_s) gives a ~10 ms round
 
 
 def _simulated(rng: np.random.Generator, true_ratio: float, bias: float | None = None):
@@ -62,7 +63,7 @@ def _decide_across(seed: int, true_ratio: float, rule: str = "no_regression"):
         _simulated(rng, true_ratio),
         processes=POLICY.timing_processes,
         max_processes=POLICY.timing_max_processes,
-        rounds=POLICY.timing_rounds_per_process,
+        rounds=ROUNDS,
         confidence=POLICY.speed_confidence,
         rule=rule,
         threshold=threshold_for(rule, POLICY),
@@ -151,7 +152,7 @@ def test_looks_add_processes_and_record_kalibera_jones_rounds():
     result = _decide_across(3, 1.009)  # right at the floor: needs every look
     assert result.looks == [6, 12, 18]
     assert len(result.processes) == 18
-    assert result.rounds_per_process[:6] == [POLICY.timing_rounds_per_process] * 6
+    assert result.rounds_per_process[:6] == [ROUNDS] * 6
     assert result.variance["within"] > 0 and "optimal_rounds" in result.variance
     measured = result.measurements()
     assert measured["unit"] == "process" and len(measured["processes"]) == 18

@@ -129,6 +129,40 @@ def test_a_job_is_timed_in_balanced_order_and_its_hits_come_back(pool):
     assert delta.route(OUTSIDE) == 20  # the timed candidate calls of both workers, not warm-up
 
 
+def test_a_worker_fills_its_time_budget_with_rounds_in_balanced_order(pool):
+    """1 ms rounds (0.5 ms a side) and a 40 ms budget: about 40 rounds, never fewer than the
+    minimum, never more than the cap, always an even, balanced count; each process says how
+    long its warm-up round took."""
+    job = TimingJob("timing_jobs_for_test:pair", {"base_s": 0.0005, "factor": 1.0})
+    samples = pool.sample(job, 2, rounds=4, warmup=2, seed=3, label="budget",
+                          max_rounds=400, budget_s=0.04)
+    for s in samples:
+        assert 4 < len(s.candidate_s) <= 42, len(s.candidate_s)
+        assert s.orders.count("cb") == s.orders.count("bc")
+        assert 0.0009 < s.info["round_s"] < 0.04
+    capped = pool.sample(job, 1, rounds=4, warmup=2, seed=3, label="cap", max_rounds=6,
+                         budget_s=10.0)
+    assert len(capped[0].candidate_s) == 6
+
+
+@pytest.mark.parametrize(
+    ("round_s", "minimum", "maximum", "budget_s", "expected"),
+    [
+        (0.001, 2, 4096, 0.25, 250),  # fills the budget
+        (0.001, 2, 4096, 0.2505, 252),  # rounded up to an even count: balanced orders
+        (0.3, 2, 4096, 0.25, 2),  # a round longer than the budget: the minimum
+        (1e-6, 2, 100, 0.25, 100),  # the cap
+        (None, 6, 4096, 0.25, 6),  # no warm-up round measured: the minimum
+        (0.001, 8, 4096, 0.0, 8),  # no budget: the minimum
+        (0.001, 2, 99, 1.0, 99),  # an odd cap is kept (the order is balanced but for one)
+    ],
+)
+def test_rounds_follow_the_time_budget(round_s, minimum, maximum, budget_s, expected):
+    from pytest_dflash.measure.worker import rounds_for
+
+    assert rounds_for(round_s, minimum=minimum, maximum=maximum, budget_s=budget_s) == expected
+
+
 def test_a_builder_error_names_the_gate_and_the_log(pool):
     with pytest.raises(
         TimingWorkerError,

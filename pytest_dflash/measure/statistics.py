@@ -640,12 +640,14 @@ def process_compare(
 ) -> ProcessResult:
     """Decide ``rule`` on an interval across processes, adding processes at each look.
 
-    ``sample(n, rounds)`` returns ``n`` new ProcessSamples, each from a process that timed
-    ``rounds`` interleaved rounds. The first look uses ``processes`` processes; while the
+    ``sample(n, rounds)`` returns ``n`` new ProcessSamples, each from a process that timed at
+    least ``rounds`` interleaved rounds (a worker may time more to fill its time budget; the
+    result records what each did). The first look uses ``processes`` processes; while the
     interval straddles ``threshold``, another ``processes`` are added, up to ``max_processes``.
-    The error rate is spent across the looks as in :func:`paired_compare`. Later looks time the
-    rounds per process that Kalibera & Jones' rule gives from the variances measured so far
-    (within [rounds, max_rounds]). At the cap a straddling interval is "inconclusive".
+    The error rate is spent across the looks as in :func:`paired_compare`. Later looks ask for
+    at least as many rounds as the earlier ones timed, or the rounds per process that Kalibera
+    & Jones' rule gives from the variances measured so far (up to max_rounds). At the cap a
+    straddling interval is "inconclusive".
     """
     if rule not in RULES:
         raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(RULES)}")
@@ -674,7 +676,7 @@ def process_compare(
             raise RuntimeError(f"asked for {plan[len(looks)] - len(taken)} processes, got "
                                f"{len(new)}")
         taken.extend(new)
-        per_look.extend([per] * len(new))
+        per_look.extend(len(p.candidate_s) for p in new)
         looks.append(len(taken))
         final = len(looks) == len(plan)
         look_conf = _look_confidence(confidence, len(plan), final)
@@ -682,8 +684,11 @@ def process_compare(
         decision = decide(rule, threshold, lo, hi)
         if decision != "inconclusive" or final:
             break
+        # Kalibera & Jones' optimum, as the next look's minimum (a worker may time more: its
+        # time budget); with no measurable process bias, rounds are as good as processes
         optimal = variance_components(taken)["optimal_rounds"]
-        per = int(min(cap, max(rounds, math.ceil(optimal)))) if math.isfinite(optimal) else rounds
+        floor = max(rounds, max(per_look))
+        per = int(min(cap, max(floor, math.ceil(optimal)))) if math.isfinite(optimal) else floor
     return ProcessResult(
         processes=taken, ratio=ratio, ci_low=lo, ci_high=hi, decision=decision,
         outcome=finding(rule, threshold, lo, hi), rule=rule, threshold=float(threshold),

@@ -226,7 +226,9 @@ def _across_processes(pool: workers.TimingPool, job: workers.TimingJob, *, polic
 
     def sample(count: int, rounds: int) -> list[Any]:
         samples = pool.sample(job, count, rounds=rounds, warmup=policy.speed_warmup,
-                              seed=seed, label=label, first=used[0])
+                              seed=seed, label=label, first=used[0],
+                              max_rounds=policy.timing_max_rounds_per_process,
+                              budget_s=policy.timing_process_s)
         used[0] += count
         return samples
 
@@ -236,7 +238,7 @@ def _across_processes(pool: workers.TimingPool, job: workers.TimingJob, *, polic
         return process_compare(
             sample, processes=policy.timing_processes,
             max_processes=policy.timing_max_processes,
-            rounds=policy.timing_rounds_per_process, confidence=policy.speed_confidence,
+            rounds=policy.timing_min_rounds_per_process, confidence=policy.speed_confidence,
             rule=rule, threshold=threshold, max_rounds=policy.timing_max_rounds_per_process)
 
 

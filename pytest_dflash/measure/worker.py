@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -121,6 +122,21 @@ def _balanced_orders(rounds: int, seed: list[int]) -> list[str]:
     return orders
 
 
+def rounds_for(round_s: float | None, *, minimum: int, maximum: int, budget_s: float) -> int:
+    """How many rounds this process times: enough to fill ``budget_s`` at ``round_s`` seconds a
+    round (the warm-up's last round), an even number within [minimum, maximum].
+
+    A fixed round count gives a 26 us graph replay a few milliseconds of evidence per process
+    and a 0.2 s cold prefill many seconds; a budget gives every gate's per-process statistic
+    about the same time, so the within-process noise shrinks where rounds are cheap.
+    """
+    wanted = minimum
+    if round_s is not None and round_s > 0 and budget_s > 0:
+        wanted = max(minimum, math.ceil(budget_s / round_s))
+    wanted = min(maximum, wanted)
+    return wanted + (wanted % 2 if wanted < maximum else 0)
+
+
 def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str, Any]:
     """Build, warm up and time one job; the answer carries raw seconds and the timed hits."""
     from pytest_dflash.measure.timing import pair_timers
@@ -135,11 +151,20 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
             f"builder {message['builder']} returned {type(pair).__name__}, expected a TimedPair"
         )
     run_cand, run_base, info = pair_timers(pair, ctx.device, ctx.policy)
+    round_s = None
     for _ in range(int(message["warmup"])):
+        began = time.perf_counter()
         run_cand()
         run_base()
+        round_s = time.perf_counter() - began  # the last warm-up round: caches and JIT warm
     setup_s = time.perf_counter() - start
-    orders = _balanced_orders(int(message["rounds"]), message["seed"])
+    rounds = rounds_for(round_s, minimum=int(message["rounds"]),
+                        maximum=int(message.get("max_rounds", message["rounds"])),
+                        budget_s=float(message.get("budget_s", 0.0)))
+    info["round_s"] = round_s
+    # the calls each side made in the timed rounds: a gate checks its replayed route hits
+    info["timed_calls"] = rounds * int(info.get("calls_per_sample", 1))
+    orders = _balanced_orders(rounds, message["seed"])
     cand: list[float] = []
     base: list[float] = []
     last = time.monotonic()

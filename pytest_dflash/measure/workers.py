@@ -314,9 +314,12 @@ class TimingPool:
         seed: int,
         label: str,
         first: int = 0,
+        max_rounds: int | None = None,
+        budget_s: float = 0.0,
     ) -> list[ProcessSample]:
         """``count`` ProcessSamples of ``job`` from workers ``first .. first + count - 1``,
-        timed one worker at a time.
+        timed one worker at a time, each timing at least ``rounds`` rounds and as many more as
+        fill ``budget_s`` seconds, up to ``max_rounds`` (``worker.rounds_for``).
 
         A gate's first look takes the first workers, each later look the next ones, so no
         process contributes twice to one gate's interval. Workers a look needs beyond those
@@ -333,6 +336,8 @@ class TimingPool:
                     "builder": job.builder,
                     "kwargs": job.kwargs,
                     "rounds": rounds,
+                    "max_rounds": rounds if max_rounds is None else max(rounds, max_rounds),
+                    "budget_s": budget_s,
                     "warmup": warmup,
                     "seed": [seed, first + i],
                 },

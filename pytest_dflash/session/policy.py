@@ -35,12 +35,17 @@ class Policy:
     cpu_sample_min_s: float = 0.002
     # timing protocol (docs/gates.md): worker processes are the unit of repetition; the first
     # look takes timing_processes of them (the run's pool), each later look as many fresh ones,
-    # up to timing_max_processes; each times timing_rounds_per_process interleaved rounds (later
-    # looks: Kalibera & Jones' optimum from the measured variances, up to the max)
+    # up to timing_max_processes. Each worker times interleaved rounds for about
+    # timing_process_s seconds (the round's cost measured in its warm-up), at least
+    # timing_min_rounds_per_process and at most timing_max_rounds_per_process of them; later
+    # looks take at least Kalibera & Jones' optimum from the measured variances. A budget in
+    # seconds, not a round count: a 26 us graph replay and a 0.2 s cold prefill both get a
+    # per-process statistic whose noise no longer swamps the 1% margin.
     timing_processes: int = 6
     timing_max_processes: int = 18
-    timing_rounds_per_process: int = 24
-    timing_max_rounds_per_process: int = 192
+    timing_process_s: float = 0.25
+    timing_min_rounds_per_process: int = 2
+    timing_max_rounds_per_process: int = 4096
     # a worker that sends nothing (no answer, no progress line) this long is killed as hung
     timing_worker_timeout_s: float = 300.0
     bootstrap_resamples: int = 2000
@@ -101,11 +106,14 @@ class Policy:
                               f"needs two) and <= timing_max_processes, got "
                               f"{self.timing_processes} and {self.timing_max_processes}; fix "
                               f"[tool.pytest-dflash]")
-        if not 2 <= self.timing_rounds_per_process <= self.timing_max_rounds_per_process:
-            raise PolicyError(f"timing_rounds_per_process must be >= 2 and <= "
-                              f"timing_max_rounds_per_process, got "
-                              f"{self.timing_rounds_per_process} and "
+        if not 2 <= self.timing_min_rounds_per_process <= self.timing_max_rounds_per_process:
+            raise PolicyError(f"timing_min_rounds_per_process must be >= 2 (one round of each "
+                              f"order) and <= timing_max_rounds_per_process, got "
+                              f"{self.timing_min_rounds_per_process} and "
                               f"{self.timing_max_rounds_per_process}; fix [tool.pytest-dflash]")
+        if not self.timing_process_s >= 0:
+            raise PolicyError(f"timing_process_s must be >= 0 seconds (0: the minimum rounds), "
+                              f"got {self.timing_process_s}; fix [tool.pytest-dflash]")
         if not self.timing_worker_timeout_s > 0:
             raise PolicyError(f"timing_worker_timeout_s must be > 0 seconds, got "
                               f"{self.timing_worker_timeout_s}; fix [tool.pytest-dflash]")

@@ -92,3 +92,48 @@ def dense_case(gate: GateContext, calls: AttnCalls, shape: tuple[int, int, int, 
     ref = calls.call(calls.reference, "dense", q, k, v, SCALE, causal)
     return check_parity(out, calls.oracle_of(q, k, v, causal), ref, policy=gate.policy,
                         dtype=dtype, label=label)
+
+
+class SpeedPair:
+    """The speed gate's causal prefill of ``t`` tokens (Hq=4, Hkv=1, D=256), candidate and
+    baseline writing into their own output buffers, built alike in the gate's process (output
+    check) and in each timing worker (timing)."""
+
+    HQ, HKV = 4, 1  # the target deployment's attention layer: GQA 4
+
+    def __init__(self, gate: GateContext, t: int) -> None:
+        self.impl, self.base = gate.impl, gate.baseline
+        self.dtype = gate.dtype
+        gen = torch.Generator().manual_seed(gate.seed("speed", t))
+        device = gate.device
+        self.q = torch.randn(t, self.HQ, D, generator=gen).to(device, self.dtype)
+        self.k = torch.randn(t, self.HKV, D, generator=gen).to(device, self.dtype)
+        self.v = torch.randn(t, self.HKV, D, generator=gen).to(device, self.dtype)
+        self.out_c, self.out_b = torch.empty_like(self.q), torch.empty_like(self.q)
+        self.label = (f"causal prefill T={t} Hq={self.HQ} Hkv={self.HKV} D={D} "
+                      f"{str(self.dtype).removeprefix('torch.')}")
+
+    def candidate(self) -> None:
+        self.impl.dense(self.q, self.k, self.v, self.out_c, SCALE, True)
+
+    def baseline(self) -> None:
+        self.base.dense(self.q, self.k, self.v, self.out_b, SCALE, True)
+
+    def check_output(self, policy: Any) -> None:
+        """What is timed is the attention: one call of each into poisoned buffers, compared."""
+        poison_(self.out_c)
+        poison_(self.out_b)
+        self.candidate()
+        self.baseline()
+        parity = check_parity(self.out_c, self.out_b.double(), None, policy=policy,
+                              dtype=self.dtype, label=f"{self.label}: candidate vs baseline")
+        assert parity.ok, parity.message()
+
+
+def speed_pair(ctx: Any, *, route: str, t: int) -> Any:
+    """Timing-worker builder of the attn.d256 speed gate: one causal prefill of ``t`` tokens,
+    candidate and baseline (eager: a prefill is not a graph replay)."""
+    from pytest_dflash.measure.workers import TimedPair
+
+    pair = SpeedPair(ctx.gate(route, "speed"), t)
+    return TimedPair(pair.candidate, pair.baseline)
