@@ -1,10 +1,12 @@
 """Cold prefill speed gate of family prefill.geometry (docs/gates.md, "speed").
 
 For each of the profile's prompt lengths (``ProfileSizes.prefill_lengths``, 32K:64K ratio), the
-candidate geometry's engine and the baseline's prefill the same prompt interleaved in randomized
-order, the prefix cache reset before every run (cold), every run of a route yielding the same
-first-token hash, the candidate's greedy first token equal to the baseline's, and the candidate's
-route hits proving its chunking really ran. Tokens/s of both go in the report.
+candidate geometry's engine and the baseline's prefill the same prompt, interleaved in a
+balanced order, the prefix cache reset before every run (cold), in the run's timing worker
+processes (each rebuilds the session's in-process engine; a server engine is timed in this
+process). Every run of a route, in every process, must yield the same first-token hash and the
+expected chunk count, the candidate's greedy first token must equal the baseline's, and the
+candidate's route hits must prove its chunking really ran. Tokens/s of both go in the report.
 
 A fast route is only worth timing if it computes what the baseline computes after the same
 prompt, so before timing, each prompt's cold prefill pair is checked across routes: the greedy
@@ -18,41 +20,13 @@ from __future__ import annotations
 
 import pytest
 
+from dflash_suites.support.engine import (
+    ColdPrefillPair,
+    check_prefill_runs,
+    merged_prefill_facts,
+)
+
 pytestmark = pytest.mark.sm70
-
-
-class PrefillRuns:
-    """Cold prefills of one engine, checking every run repeats the first run's token hash."""
-
-    def __init__(self, engine, ids: list[int], label: str) -> None:
-        self.engine, self.ids, self.label = engine, ids, label
-        self.hashes: set[str] = set()
-        self.first_tokens: set[int] = set()
-        self.chunks: set[int] = set()
-        self.runs = 0
-
-    def reset(self) -> None:
-        self.engine.reset_prefix_cache()
-
-    def __call__(self) -> None:
-        result = self.engine.prefill(self.ids)
-        self.hashes.add(result.first_token_hash)
-        self.first_tokens.add(result.first_token)
-        self.chunks.add(result.chunks)
-        self.runs += 1
-
-    def check(self) -> str:
-        if len(self.hashes) != 1:
-            raise AssertionError(f"{self.label}: {len(self.hashes)} different first-token hashes "
-                                 f"over {self.runs} cold prefills of one prompt: not deterministic")
-        if self.chunks != {self.expected_chunks()}:
-            raise AssertionError(f"{self.label}: prefill ran in {sorted(self.chunks)} chunks, "
-                                 f"expected {self.expected_chunks()}: a warm prefix was reused")
-        return next(iter(self.hashes))
-
-    def expected_chunks(self) -> int:
-        chunk = getattr(self.engine, "chunk", None)
-        return -(-len(self.ids) // chunk) if chunk else next(iter(self.chunks))
 
 
 def kl_rows(cand, base):
@@ -126,8 +100,7 @@ def check_agreement(dflash_gate, baseline, candidate, length: int) -> tuple[dict
 
 @pytest.mark.gate("speed", family="prefill.geometry", per_size="prefill_lengths")
 def test_speed_cold_prefill(dflash_gate, size):
-    from pytest_dflash.engines.data import prompt_ids
-    from pytest_dflash.measure.timing import speed_gate
+    from pytest_dflash.measure.timing import TimingInconclusive, speed_gate
 
     route, length = dflash_gate.route, size
     baseline, candidate = dflash_gate.require("prefill_timing", "first_token_hash", "route_hits",
@@ -140,27 +113,28 @@ def test_speed_cold_prefill(dflash_gate, size):
     assert not disagreements, (
         f"{route.name} @{length}: after the same cold prefill as {route.baseline}: "
         + "; ".join(disagreements))
-    ids = prompt_ids(length, baseline.encode)
-    cand = PrefillRuns(candidate, ids, f"{route.name} @{length}")
-    base = PrefillRuns(baseline, ids, f"{route.baseline} @{length}")
-    hits_before = candidate.route_hits().get(route.name, 0)
+    local = ColdPrefillPair(baseline, candidate, route.name, length)
+    job = dflash_gate.engine_job("dflash_suites.support.engine:cold_prefill_pair",
+                                 (baseline, candidate), route=route.name,
+                                 baseline=route.baseline, length=length)
     measured: dict = {}
-
-    def before_each() -> None:
-        cand.reset()
-        base.reset()
-
     try:
-        speed_gate(cand, base, policy=dflash_gate.policy,
+        speed_gate(local.candidate, local.baseline, policy=dflash_gate.policy,
                    device=dflash_gate.device, record=measured.update,
                    label=f"{route.name} cold prefill {length} tokens",
-                   before_each=before_each)
+                   before_each=local.before_each, job=job)
         failure = None
-    except AssertionError as exc:
+    except (AssertionError, TimingInconclusive) as exc:  # judged after the evidence below
         failure = exc
-    samples = measured.get("samples", {})
+    # every timed run's facts: from each worker process, or from this process
+    facts = ([p["info"]["facts"] for p in measured["processes"]] if "processes" in measured
+             else [local.facts()])
+    samples = measured.get("samples") or {
+        "candidate": [s for p in measured.get("processes", []) for s in p["samples"]["candidate"]],
+        "baseline": [s for p in measured.get("processes", []) for s in p["samples"]["baseline"]]}
     rates = {name: length / sorted(s)[len(s) // 2] for name, s in samples.items() if s}
-    ran = candidate.route_hits().get(route.name, 0) - hits_before
+    ran = sum(f["candidate_route_hits"] for f in facts)
+    cand, base = merged_prefill_facts(facts, "candidate"), merged_prefill_facts(facts, "baseline")
     if measured.get("figure"):
         measured["figure"] += f"; {agreement['figure']}"
     dflash_gate.record(**measured,
@@ -170,11 +144,11 @@ def test_speed_cold_prefill(dflash_gate, size):
                        chunk_tokens={"candidate": getattr(candidate, "chunk", None),
                                      "baseline": getattr(baseline, "chunk", None)})
     # the evidence must be real before the timing verdict counts
-    cand_hash, base_hash = cand.check(), base.check()
-    assert ran >= cand.runs > 0, (
-        f"{route.name} recorded {ran} route hits over {cand.runs} prefills: the candidate "
+    cand_hash, cand_token = check_prefill_runs(cand, f"{route.name} @{length}")
+    base_hash, base_token = check_prefill_runs(base, f"{route.baseline} @{length}")
+    assert ran >= cand["runs"] > 0, (
+        f"{route.name} recorded {ran} route hits over {cand['runs']} prefills: the candidate "
         f"geometry did not run (hits {candidate.route_hits()})")
-    cand_token, base_token = next(iter(cand.first_tokens)), next(iter(base.first_tokens))
     dflash_gate.record(first_token_hash_candidate=cand_hash, first_token_hash_baseline=base_hash,
                        first_token_candidate=cand_token, first_token_baseline=base_token)
     assert cand_token == base_token, (

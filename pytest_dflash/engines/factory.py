@@ -38,6 +38,7 @@ class EngineFactory:
                                    startup_timeout_s=startup_timeout_s,
                                    request_timeout_s=request_timeout_s, log_dir=log_dir)
         self.engines: list[Any] = []
+        self._built: dict[tuple[tuple[str, str], ...], Any] = {}
 
     @property
     def kind(self) -> str:
@@ -69,6 +70,19 @@ class EngineFactory:
                                      registry=self.registry)
         self.engines.append(engine)
         return engine
+
+    def cached(self, selection: Mapping[str, str]) -> Any:
+        """:meth:`build`, once per selection."""
+        key = tuple(sorted(selection.items()))
+        if key not in self._built:
+            self._built[key] = self.build(selection)
+        return self._built[key]
+
+    def rebuildable(self, engine: Any) -> bool:
+        """True for an engine this factory built in process (the reference or the transformers
+        engine): a timing worker builds the very same one from the session's registry and
+        options. A server, or an engine another plugin's hook built, lives here only."""
+        return self.pool is None and any(e is engine for e in self._built.values())
 
     def adopt(self, engine: Any) -> Any:
         """Take an engine another hook implementation built, so it is closed with the rest."""

@@ -41,6 +41,20 @@ class WorkerContext:
             self.policy,
             bool(spec.get("selftest_calibrate")),
         )
+        self.hf_model = spec.get("hf_model")
+        self._factory: Any = None
+
+    def engine(self, *route_names: str) -> Any:
+        """The session's in-process engine (reference, or the transformers engine of the same
+        model) running every family's baseline except ``route_names``, built once per
+        selection in this worker, as the gate's process builds it."""
+        if self._factory is None:
+            from pytest_dflash.engines.factory import EngineFactory
+
+            self._factory = EngineFactory(
+                self.registry, self.profile, self.device.type,
+                hf_model=Path(self.hf_model) if self.hf_model else None)
+        return self._factory.cached(self.registry.engine_selection(route_names))
 
     def implementation(self, route: str) -> Any:
         """The implementation object of ``route``, as the gate's process resolves it."""
@@ -179,6 +193,8 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
             if time.monotonic() - last > 2.0:
                 beat({"progress": len(cand)})
                 last = time.monotonic()
+    if pair.facts is not None:
+        info["facts"] = pair.facts()
     return {
         "candidate_s": cand,
         "baseline_s": base,

@@ -84,6 +84,9 @@ class TimedPair:
     before_each: Callable[[], Any] | None = None
     # on CUDA: try to capture both calls in a CUDA graph and time the replays (verify steps)
     graph: bool = False
+    # called once after the timed rounds: JSON facts the gate checks (e.g. the first-token
+    # hashes of every cold prefill), sent back in the process's info as "facts"
+    facts: Callable[[], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ class WorkerSpec:
     plugins: list[str]  # module names, or paths of conftest files
     selftest_candidates: list[str] | None = None  # originals whose planted routes to register
     selftest_calibrate: bool = False  # the timing calibration set instead of the catalogue
+    # the in-process engine a job may build: None the reference engine, else the directory of
+    # the Hugging Face model (--dflash-engine hf:PATH)
+    hf_model: str | None = None
     sys_path: list[str] = field(default_factory=lambda: list(sys.path))
 
     def as_json(self) -> dict[str, Any]:
@@ -108,6 +114,7 @@ class WorkerSpec:
             "plugins": list(self.plugins),
             "selftest_candidates": self.selftest_candidates,
             "selftest_calibrate": self.selftest_calibrate,
+            "hf_model": self.hf_model,
             "sys_path": list(self.sys_path),
         }
 
@@ -282,27 +289,36 @@ class TimingPool:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         return self._log_dir
 
-    def _start(self, label: str) -> _Worker:
+    def _ensure(self, label: str, count: int | None = None) -> None:
+        """Start workers until the pool holds ``count`` (default: its size).
+
+        The new workers start together (each imports torch and rebuilds the registry, seconds
+        of mostly single-threaded work, or a CUDA context), and only then are they waited for:
+        nothing is being timed while they start, and a look that needs six more pays about one
+        start, not six. A worker that fails to start is an error naming the gate and its log.
+        """
+        wanted = (self.size if count is None else count) - len(self._workers)
+        if wanted <= 0:
+            return
         start = time.perf_counter()
         try:
             spec = self.spec
         except TimingWorkerError as exc:
             raise TimingWorkerError(f"{label}: {exc}") from None
-        worker = _Worker(self._started, spec, self.log_dir, self.timeout_s)
-        self._started += 1
+        new = [_Worker(self._started + i, spec, self.log_dir, self.timeout_s)
+               for i in range(wanted)]
+        self._started += wanted
         try:
-            # starting imports torch and rebuilds the registry: on a loaded machine that alone
-            # can take longer than a hung worker's timeout
-            worker.request({"op": "ping"}, label, max(self.timeout_s, START_TIMEOUT_S))
+            for worker in new:
+                # starting imports torch and rebuilds the registry: on a loaded machine that
+                # alone can take longer than a hung worker's timeout
+                worker.request({"op": "ping"}, label, max(self.timeout_s, START_TIMEOUT_S))
         except TimingWorkerError:
-            worker.kill()
+            for worker in new:
+                worker.kill()
             raise
+        self._workers.extend(new)
         self.started_s += time.perf_counter() - start
-        return worker
-
-    def _ensure(self, label: str, count: int | None = None) -> None:
-        while len(self._workers) < (self.size if count is None else count):
-            self._workers.append(self._start(label))
 
     def sample(
         self,

@@ -129,7 +129,9 @@ def dflash_gate(request: pytest.FixtureRequest, dflash_route: Route,
                        policy=dflash_policy, profile=dflash_profile, device=dflash_device,
                        record=dflash_record, engine=dflash_engine,
                        data_dir=settings.of(config).data,
-                       servers=lambda: engine_setup.factory_of(config).servers())
+                       servers=lambda: engine_setup.factory_of(config).servers(),
+                       rebuildable=lambda engine: engine_setup.factory_of(config).rebuildable(
+                           engine))
     if dflash_route.hit_source is None:
         yield gate
         return

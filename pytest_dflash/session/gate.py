@@ -44,7 +44,8 @@ class GateContext:
     def __init__(self, *, route: Route, kind: str, registry: RouteRegistry, policy: Policy,
                  profile: str, device: torch.device, record: Callable[..., None],
                  engine: Callable[[dict[str, str]], Any], data_dir: Path | None = None,
-                 servers: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+                 servers: Callable[[], list[dict[str, Any]]] | None = None,
+                 rebuildable: Callable[[Any], bool] | None = None) -> None:
         self.route = route
         self.kind = kind
         self.registry = registry
@@ -55,6 +56,7 @@ class GateContext:
         self._engine = engine
         self.data_dir = data_dir  # --dflash-data, or None for the shipped held-out data
         self._servers = servers
+        self._rebuildable = rebuildable
 
     def __repr__(self) -> str:
         return f"<GateContext {self.kind} {self.route.name} profile={self.profile} " \
@@ -151,6 +153,17 @@ class GateContext:
         if reason:
             pytest.skip(f"{self.kind} gate needs {', '.join(capabilities)}: {reason}")
         return engines
+
+    def engine_job(self, builder: str, engines: tuple[Any, ...], **kwargs: Any) -> Any:
+        """A :class:`~pytest_dflash.measure.workers.TimingJob` of ``builder`` when a timing
+        worker can rebuild every one of ``engines`` (the session's in-process reference or
+        transformers engine), else None: a server or an engine another plugin built is timed
+        in this process, and the report says so (``unit: round (one process)``)."""
+        from pytest_dflash.measure.workers import TimingJob
+
+        if self._rebuildable is None or not all(self._rebuildable(e) for e in engines):
+            return None
+        return TimingJob(builder, kwargs)
 
     def record_engines(self, *engines: Any) -> None:
         """Record what the engines were: their kind and capabilities, each one's route proof

@@ -117,7 +117,12 @@ def _worker_spec(config: pytest.Config, state: DflashState, route_plugins: list[
         device=str(torch_device(config)), threads=torch.get_num_threads(),
         profile=profile_of(config), policy=state.policy.as_dict(),
         plugins=workers.plugin_references(route_plugins), selftest_candidates=selftest,
-        selftest_calibrate=calibrate)
+        selftest_calibrate=calibrate, hf_model=_hf_model(config))
+
+
+def _hf_model(config: pytest.Config) -> str | None:
+    model = settings.of(config).hf_model
+    return None if model is None else str(model)
 
 
 def stop(config: pytest.Config) -> None:

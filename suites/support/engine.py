@@ -1,0 +1,128 @@
+"""Support for the engine-level timing gates: cold prefills (prefill.geometry speed) and
+speculative rounds (gemm.nvfp4 validation_cost), built alike in the gate's process and in each
+timing worker, where the worker rebuilds the session's in-process engine
+(``WorkerContext.engine``).
+
+What the gate checks besides the time travels back as *facts* (``TimedPair.facts``): every
+cold prefill's first-token hash, greedy first token and chunk count, and the candidate's route
+hits, so a worker's runs are judged exactly like runs in the gate's own process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pytest_dflash.engines.data import prompt_ids
+
+
+class PrefillRuns:
+    """Cold prefills of one engine: what each run yielded, for the determinism checks."""
+
+    def __init__(self, engine: Any, ids: list[int]) -> None:
+        self.engine, self.ids = engine, ids
+        self.hashes: set[str] = set()
+        self.first_tokens: set[int] = set()
+        self.chunks: set[int] = set()
+        self.runs = 0
+
+    def reset(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def __call__(self) -> None:
+        result = self.engine.prefill(self.ids)
+        self.hashes.add(result.first_token_hash)
+        self.first_tokens.add(result.first_token)
+        self.chunks.add(result.chunks)
+        self.runs += 1
+
+    def facts(self) -> dict[str, Any]:
+        chunk = getattr(self.engine, "chunk", None)
+        expected = -(-len(self.ids) // chunk) if chunk else min(self.chunks, default=0)
+        return {"hashes": sorted(self.hashes), "first_tokens": sorted(self.first_tokens),
+                "chunks": sorted(self.chunks), "runs": self.runs, "expected_chunks": expected}
+
+
+class ColdPrefillPair:
+    """Candidate and baseline cold prefills of one prompt, both prefix caches reset before
+    every timed run, and the candidate's route hits over the runs."""
+
+    def __init__(self, baseline: Any, candidate: Any, route: str, length: int) -> None:
+        ids = prompt_ids(length, baseline.encode)
+        self.route = route
+        self.candidate, self.baseline = PrefillRuns(candidate, ids), PrefillRuns(baseline, ids)
+        self._hits_before = candidate.route_hits().get(route, 0)
+
+    def before_each(self) -> None:
+        self.candidate.reset()
+        self.baseline.reset()
+
+    def facts(self) -> dict[str, Any]:
+        ran = self.candidate.engine.route_hits().get(self.route, 0) - self._hits_before
+        return {"candidate": self.candidate.facts(), "baseline": self.baseline.facts(),
+                "candidate_route_hits": ran}
+
+
+def merged_prefill_facts(facts: Sequence[dict[str, Any]], side: str) -> dict[str, Any]:
+    """One side's facts over every process that timed it: sets joined, runs summed."""
+    merged: dict[str, Any] = {"hashes": set(), "first_tokens": set(), "chunks": set(),
+                              "expected_chunks": set(), "runs": 0}
+    for fact in facts:
+        one = fact[side]
+        for key in ("hashes", "first_tokens", "chunks"):
+            merged[key].update(one[key])
+        merged["expected_chunks"].add(one["expected_chunks"])
+        merged["runs"] += one["runs"]
+    return merged
+
+
+def check_prefill_runs(merged: dict[str, Any], label: str) -> tuple[str, int]:
+    """(first-token hash, greedy first token) of a side whose every cold prefill, in every
+    process, gave one hash and the expected chunk count; AssertionError otherwise."""
+    if len(merged["hashes"]) != 1:
+        raise AssertionError(f"{label}: {len(merged['hashes'])} different first-token hashes "
+                             f"over {merged['runs']} cold prefills of one prompt: not "
+                             "deterministic")
+    if merged["chunks"] != merged["expected_chunks"] or len(merged["chunks"]) != 1:
+        raise AssertionError(f"{label}: prefill ran in {sorted(merged['chunks'])} chunks, "
+                             f"expected {sorted(merged['expected_chunks'])}: a warm prefix was "
+                             "reused")
+    return next(iter(merged["hashes"])), next(iter(merged["first_tokens"]))
+
+
+def cold_prefill_pair(ctx: Any, *, route: str, baseline: str, length: int) -> Any:
+    """Timing-worker builder of the prefill.geometry speed gate: cold prefills of ``length``
+    prompt tokens on the candidate's and the baseline's engines (eager, one call a sample)."""
+    from pytest_dflash.measure.workers import TimedPair
+
+    pair = ColdPrefillPair(ctx.engine(baseline), ctx.engine(route), route, length)
+    return TimedPair(pair.candidate, pair.baseline, before_each=pair.before_each,
+                     facts=pair.facts)
+
+
+def verify_drafts(engine: Any, prompt_tokens: int, widths: int) -> list[list[int]]:
+    """The drafts of one speculative round after the profile's prompt: M = 1..widths rows."""
+    prompt = prompt_ids(prompt_tokens, engine.encode)
+    return [prompt[1 : 1 + m] for m in range(1, widths + 1)]
+
+
+def speculative_round(engine: Any, drafts: list[list[int]]) -> Callable[[], Any]:
+    """One speculative round on ``engine``'s warm cache: a verify step per draft."""
+    return lambda: [engine.verify(draft) for draft in drafts]
+
+
+def speculative_round_pair(ctx: Any, *, route: str, verify_route: str,
+                           prompt_tokens: int) -> Any:
+    """Timing-worker builder of the engine-level validation_cost gate: one speculative round
+    (verify M = 1..validation_max_m after a prefill of the prompt) with the candidate on and
+    off, captured as a CUDA graph where the engine allows it (a deployment replays its verify
+    steps as graphs; an engine that cannot be captured is timed eagerly, and says why)."""
+    from pytest_dflash.measure.workers import TimedPair
+
+    enabled, disabled = ctx.engine(route), ctx.engine(verify_route)
+    prompt = prompt_ids(prompt_tokens, enabled.encode)
+    for engine in (enabled, disabled):
+        engine.prefill(prompt)
+    drafts = verify_drafts(enabled, prompt_tokens, ctx.policy.validation_max_m)
+    return TimedPair(speculative_round(enabled, drafts), speculative_round(disabled, drafts),
+                     graph=True)
