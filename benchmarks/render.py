@@ -6,8 +6,14 @@ on which commit, by which command, and holds the values as one table. Figures in
 be checked or regenerated; a file can, and the page made from it is checked against it by
 ``tests/test_docs.py``.
 
-    python benchmarks/render.py            # rewrite docs/benchmarks.md
-    python benchmarks/render.py --check    # exit 1 if docs/benchmarks.md is stale
+    python benchmarks/render.py            # rewrite docs/benchmarks.md and the embedded tables
+    python benchmarks/render.py --check    # exit 1 if any of them is stale
+
+A page of ``docs/`` that discusses a figure embeds its file's table where it discusses it, in a
+block the script fills (and ``--check`` checks) like the benchmarks page::
+
+    <!-- results: h200-timing-aa-validation-cost.json -->
+    <!-- /results -->
 
 A result file holds::
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,11 +41,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
+DOCS = ROOT / "docs"
+EMBED = re.compile(r"(<!-- results: (?P<name>[\w.-]+\.json) -->\n)(?P<body>.*?)(<!-- /results -->)",
+                   re.DOTALL)
 SCHEMA = "pytest-dflash/benchmark/1"
 KINDS = ("measured", "not kept")
 NOT_KEPT_COLUMNS = ["approach", "figure", "why not kept"]
 # Topics in page order; a topic not listed here comes after them, in alphabetical order.
-TOPICS = ("main job", "QPN kernels", "D256 attention", "validation_cost on the CPU", "multi-GPU")
+TOPICS = ("main job", "timing error rates", "QPN kernels", "D256 attention", "validation_cost on the CPU", "multi-GPU")
 TEXT_FIELDS = ("topic", "title", "about", "machine", "python", "torch", "date", "command")
 
 HEADER = """\
@@ -120,7 +130,7 @@ def load(results: Path = RESULTS) -> list[dict[str, Any]]:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise _fail(path, f"not valid JSON: {exc}") from None
-        loaded.append(_check(path, data))
+        loaded.append({**_check(path, data), "_file": path.name})
     return loaded
 
 
@@ -200,6 +210,34 @@ def render(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def embedded(text: str, results: list[dict[str, Any]], page: Path) -> str:
+    """``text`` with every ``<!-- results: NAME.json -->`` block filled from that result file
+    (its description and table, without the page heading)."""
+    by_name = {r["_file"]: r for r in results}
+
+    def fill(match: re.Match[str]) -> str:
+        data = by_name.get(match["name"])
+        if data is None:
+            raise ResultFileError(f"{page}: embeds {match['name']}, which is not a result file "
+                                  f"in benchmarks/results/; fix the name or add the file")
+        body = "\n".join(_section(data)[2:]).rstrip("\n") + "\n"
+        return match.group(1) + body + match.group(4)
+
+    return EMBED.sub(fill, text)
+
+
+def pages(results: list[dict[str, Any]], page: Path, docs: Path) -> dict[Path, str]:
+    """Every page the files render: the benchmarks page and each doc page with embeds."""
+    out = {page: render(results)}
+    for doc in sorted(docs.glob("*.md")):
+        if doc.resolve() == page.resolve():
+            continue
+        text = doc.read_text(encoding="utf-8")
+        if EMBED.search(text):
+            out[doc] = embedded(text, results, doc)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument(
@@ -209,21 +247,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--results", type=Path, default=RESULTS, help="the result files' folder")
     parser.add_argument("--page", type=Path, default=PAGE, help="the page to write or check")
+    parser.add_argument("--docs", type=Path, default=DOCS, help="the pages that embed tables")
     args = parser.parse_args(argv)
     try:
-        page = render(load(args.results))
+        rendered = pages(load(args.results), args.page, args.docs)
     except ResultFileError as exc:
         print(f"render: {exc}", file=sys.stderr)
         return 2
     if args.check:
-        current = args.page.read_text(encoding="utf-8") if args.page.exists() else ""
-        if current != page:
-            print(
-                f"render: {args.page} is stale: run `python benchmarks/render.py`", file=sys.stderr
-            )
-            return 1
-        return 0
-    args.page.write_text(page, encoding="utf-8")
+        stale = [path for path, text in rendered.items()
+                 if (path.read_text(encoding="utf-8") if path.exists() else "") != text]
+        for path in stale:
+            print(f"render: {path} is stale: run `python benchmarks/render.py`", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in rendered.items():
+        path.write_text(text, encoding="utf-8")
     return 0
 
 

@@ -143,6 +143,27 @@ def test_benchmarks_page_is_rendered_from_the_result_files() -> None:
     assert page == render.render(render.load()), (
         "docs/benchmarks.md is stale: run `python benchmarks/render.py` and commit the page"
     )
+    rendered = render.pages(render.load(), render.PAGE, render.DOCS)
+    for path, text in rendered.items():
+        assert path.read_text(encoding="utf-8") == text, (
+            f"{path} is stale: run `python benchmarks/render.py` and commit the page")
+
+
+def test_a_page_embeds_a_result_table_that_render_fills_and_checks(tmp_path: Path) -> None:
+    render = _render_module()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    page = docs / "gates.md"
+    page.write_text("# Gates\n\n<!-- results: cpu-main-job.json -->\nold\n<!-- /results -->\n")
+    args = ["--docs", str(docs), "--page", str(docs / "benchmarks.md")]
+    assert render.main(["--check", *args]) == 1  # "old" is not the file's table
+    assert render.main(args) == 0
+    text = page.read_text()
+    assert "| route | gate | figure | verdict |" in text and "old" not in text
+    assert text.startswith("# Gates") and text.rstrip().endswith("<!-- /results -->")
+    assert render.main(["--check", *args]) == 0
+    page.write_text("<!-- results: no-such-file.json -->\n<!-- /results -->\n")
+    assert render.main(["--check", *args]) == 2
 
 
 def test_render_check_fails_on_a_stale_page(tmp_path: Path) -> None:
@@ -150,13 +171,14 @@ def test_render_check_fails_on_a_stale_page(tmp_path: Path) -> None:
     results = tmp_path / "results"
     shutil.copytree(ROOT / "benchmarks" / "results", results)
     page = tmp_path / "benchmarks.md"
-    assert render.main(["--results", str(results), "--page", str(page)]) == 0
-    assert render.main(["--check", "--results", str(results), "--page", str(page)]) == 0
+    docs = ["--docs", str(tmp_path)]  # no page of the checkout is written
+    assert render.main(["--results", str(results), "--page", str(page), *docs]) == 0
+    assert render.main(["--check", "--results", str(results), "--page", str(page), *docs]) == 0
     one = results / "cpu-main-job.json"
     data = json.loads(one.read_text())
     data["values"]["rows"][0][2] = "ratio 0.500 [0.400, 0.600]"
     one.write_text(json.dumps(data))
-    assert render.main(["--check", "--results", str(results), "--page", str(page)]) == 1
+    assert render.main(["--check", "--results", str(results), "--page", str(page), *docs]) == 1
 
 
 def test_render_names_the_file_and_field_of_a_malformed_result(

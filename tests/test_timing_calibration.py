@@ -69,3 +69,30 @@ def test_hit_source_must_be_a_route_of_the_same_family():
         match="hit_source 'a.b.missing', which is not a registered route of family 'a.b'",
     ):
         registry.validate()
+
+
+INTERRUPTER = """
+import os
+import pathlib
+
+
+def pytest_collection_finish(session):
+    marker = pathlib.Path(os.environ["DFLASH_TEST_INTERRUPT_MARK"])
+    if marker.exists():  # the second run: interrupted, as Ctrl-C would
+        raise KeyboardInterrupt
+    marker.write_text("first run done")
+"""
+
+
+def test_an_interrupted_repeat_counts_the_runs_that_finished(tmp_path, monkeypatch, capsys):
+    """Real pytest runs: the first finishes (collection only), the second is interrupted; the
+    counts cover the finished run and say how many were asked for, nothing is lost."""
+    (tmp_path / "interrupter_plugin.py").write_text(INTERRUPTER)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("DFLASH_TEST_INTERRUPT_MARK", str(tmp_path / "mark"))
+    section = repeat.run(3, tmp_path / "r.json", ["--co", "-p", "interrupter_plugin",
+                                                  "--dflash-profile", "quick"])
+    assert section["runs"] == 1 and section["runs_asked"] == 3
+    assert section["reports"] == [str(tmp_path / "r.run0.json")]
+    assert "counting the 1 finished runs" in capsys.readouterr().out
+    assert (tmp_path / "r.repeat.json").is_file()

@@ -3,8 +3,9 @@
 It rebuilds the gate's environment from the parent's :class:`~workers.WorkerSpec` (device,
 threads, policy, profile, the routes of the same plugins, the self-test's planted routes), then
 answers jobs: build the pair with the suite's builder, warm it up, time interleaved rounds in a
-balanced order (as many candidate-first as baseline-first rounds, shuffled by the seed), and
-send back the raw durations and the route hits of the timed calls.
+balanced order (as many candidate-first as baseline-first rounds, shuffled by the seed) for the
+job's time budget, and send back the raw durations, the route hits of the timed calls and the
+pair's facts.
 """
 
 from __future__ import annotations

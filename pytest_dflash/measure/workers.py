@@ -9,7 +9,7 @@ Cost: starting a worker imports torch, loads the kernels and rebuilds the route 
 takes seconds, so a :class:`TimingPool` of ``policy.timing_processes`` workers is started once
 per pytest run (lazily, at the first timing gate) and shared by every timing gate. A gate's
 later look takes the next workers of the pool (no process contributes twice to one gate), which
-are started when a look first needs them and then stay for later gates.
+are started together when a look first needs them and then stay for later gates.
 Only one worker times at a time (the parent hands a job to one worker and waits for its
 answer), so two timing workers never share a device while timing.
 

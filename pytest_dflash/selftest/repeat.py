@@ -96,6 +96,7 @@ def run(repeat: int, report: Path, pytest_args: Sequence[str]) -> dict[str, Any]
     if repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {repeat}")
     paths = [report.with_name(f"{report.stem}.run{i}{report.suffix}") for i in range(repeat)]
+    done: list[Path] = []
     for i, path in enumerate(paths):
         command = [
             sys.executable,
@@ -115,21 +116,34 @@ def run(repeat: int, report: Path, pytest_args: Sequence[str]) -> dict[str, Any]
             *pytest_args,
         ]
         print(f"[{i + 1}/{repeat}] " + " ".join(command), flush=True)
-        code = subprocess.call(command)
+        try:
+            code = subprocess.call(command)
+        except KeyboardInterrupt:  # the runs that finished still count, and are said to
+            print(f"interrupted during run {i + 1} of {repeat}: counting the {len(done)} "
+                  "finished runs", flush=True)
+            break
+        if code == 2 and done:  # pytest's own exit code for an interrupted session
+            print(f"run {i + 1} of {repeat} was interrupted: counting the {len(done)} "
+                  "finished runs", flush=True)
+            break
         if code > 1 or not path.exists():
             raise RuntimeError(
                 f"self-test run {i + 1} of {repeat} crashed or was misused "
                 f"(pytest exit {code}); its report: {path}"
             )
-    loaded = [reports.load(path) for path in paths]
+        done.append(path)
+    if not done:
+        raise RuntimeError(f"no self-test run of {repeat} finished: nothing to count")
+    loaded = [reports.load(path) for path in done]
     section = tally(loaded)
-    section["reports"] = [str(p) for p in paths]
+    section["reports"] = [str(p) for p in done]
+    section["runs_asked"] = repeat
     last = dict(loaded[-1])
     last["selftest_repeat"] = section
-    reports.write_atomic(last, paths[-1])
+    reports.write_atomic(last, done[-1])
     out = report.with_name(f"{report.stem}.repeat.json")
     out.write_text(json.dumps(section, indent=2) + "\n", encoding="utf-8")
     for line in render(section):
         print(line)
-    print(f"counts: {out} (and the selftest_repeat section of {paths[-1]})")
+    print(f"counts: {out} (and the selftest_repeat section of {done[-1]})")
     return section

@@ -1,0 +1,105 @@
+"""Turn the counts of ``pytest-dflash selftest --repeat K`` into a result file.
+
+The repeat command writes ``NAME.repeat.json`` (pass / inconclusive / fail per route, timing gate
+and planted route, over the runs that finished) and a report per run. This writes those counts,
+with the worst interval the route itself showed in any run and where the runs were measured (from
+the last run's evidence fingerprint), as a ``pytest-dflash/benchmark/1`` file for
+``benchmarks/render.py``:
+
+    pytest-dflash selftest cpu.json --repeat 10 --run --dflash-route gemm.nvfp4.qpn2_packed \\
+        --dflash-profile ci -k "validation_cost_verify_m or gemm_speed_large_m"
+    python benchmarks/timing_aa.py cpu.repeat.json benchmarks/results/cpu-timing-aa.json \\
+        --machine "2-core AMD EPYC CPU, 24 GiB" --commit abc1234 --command "..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+LABELS = {"route": "the route itself", "copy": "unchanged copy (A/A)"}
+
+
+def _label(key: str, kind: str) -> str:
+    if key in LABELS:
+        return LABELS[key]
+    if key.startswith("slow_") or key.startswith("verify_cost_"):
+        slower = key.rsplit("_", 1)[-1].replace("pct", "% slower")
+        # speed: the baseline's own code, slowed (no gain); validation_cost: the verify step
+        return f"baseline's code, {slower}" if kind == "speed" else f"verify step {slower}"
+    return key
+
+
+def _order(key: str) -> tuple[int, float]:
+    if key == "route":
+        return 0, 0.0
+    if key == "copy":
+        return 1, 0.0
+    try:
+        return 2, float(key.rsplit("_", 1)[-1].removesuffix("pct"))
+    except ValueError:
+        return 3, 0.0
+
+
+def _worst_interval(reports: list[dict[str, Any]], route: str, kind: str) -> str:
+    """The route's own timing figure with the highest CI upper bound over every run."""
+    worst: tuple[float, str] | None = None
+    for report in reports:
+        gate = report["routes"].get(route, {}).get("gates", {}).get(kind, {})
+        for test in gate.get("tests", []):
+            measured = test.get("measurements", {})
+            for m, item in [("", measured), *measured.get("per_m", {}).items()]:
+                if "ci_high" in item and (worst is None or item["ci_high"] > worst[0]):
+                    worst = (item["ci_high"], f"{m.replace('m', 'M=')} {item['figure']}".strip())
+    return worst[1] if worst else "-"
+
+
+def result_file(counts: dict[str, Any], reports: list[dict[str, Any]], *, machine: str,
+                commit: str, command: str, about: str) -> dict[str, Any]:
+    rows = []
+    for route, kinds in sorted(counts["routes"].items()):
+        for kind, keys in sorted(kinds.items()):
+            for key in sorted(keys, key=_order):
+                c = keys[key]
+                worst = _worst_interval(reports, route, kind) if key == "route" else "-"
+                rows.append([route, kind, _label(key, kind), str(counts["runs"]), str(c["pass"]),
+                             str(c["inconclusive"]), str(c["fail"]),
+                             str(c["error"] + c["pending"]), worst])
+    fingerprint = reports[-1]["fingerprint"]
+    return {
+        "schema": "pytest-dflash/benchmark/1", "kind": "measured",
+        "topic": "timing error rates",
+        "title": f"A/A control and planted slowdowns over {counts['runs']} runs "
+                 f"({reports[-1]['profile']} profile, {fingerprint['device']})",
+        "about": about, "machine": machine, "python": fingerprint["python"],
+        "torch": fingerprint["torch"], "cuda": fingerprint.get("cuda"), "commit": commit,
+        "date": datetime.date.today().isoformat(), "command": command,
+        "values": {"columns": ["route", "gate", "planted", "runs", "pass", "inconclusive",
+                               "fail", "other", "route's widest interval of a run"],
+                   "rows": rows},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("counts", type=Path, help="NAME.repeat.json of pytest-dflash selftest")
+    parser.add_argument("out", type=Path, help="the result file to write")
+    parser.add_argument("--machine", required=True)
+    parser.add_argument("--commit", required=True)
+    parser.add_argument("--command", required=True)
+    parser.add_argument("--about", required=True)
+    args = parser.parse_args(argv)
+    counts = json.loads(args.counts.read_text(encoding="utf-8"))
+    reports = [json.loads(Path(p).read_text(encoding="utf-8")) for p in counts["reports"]]
+    data = result_file(counts, reports, machine=args.machine, commit=args.commit,
+                       command=args.command, about=args.about)
+    args.out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
