@@ -48,7 +48,8 @@ SCHEMA = "pytest-dflash/benchmark/1"
 KINDS = ("measured", "not kept")
 NOT_KEPT_COLUMNS = ["approach", "figure", "why not kept"]
 # Topics in page order; a topic not listed here comes after them, in alphabetical order.
-TOPICS = ("main job", "timing error rates", "QPN kernels", "D256 attention", "validation_cost on the CPU", "multi-GPU")
+TOPICS = ("main job", "timing error rates", "QPN kernels", "D256 attention",
+          "validation_cost on the CPU", "multi-GPU")
 TEXT_FIELDS = ("topic", "title", "about", "machine", "python", "torch", "date", "command")
 
 HEADER = """\
@@ -212,7 +213,8 @@ def render(results: list[dict[str, Any]]) -> str:
 
 def embedded(text: str, results: list[dict[str, Any]], page: Path) -> str:
     """``text`` with every ``<!-- results: NAME.json -->`` block filled from that result file
-    (its description and table, without the page heading)."""
+    (its description, machine, command and table; the heading, commit and date stay on the
+    benchmarks page)."""
     by_name = {r["_file"]: r for r in results}
 
     def fill(match: re.Match[str]) -> str:
@@ -220,7 +222,9 @@ def embedded(text: str, results: list[dict[str, Any]], page: Path) -> str:
         if data is None:
             raise ResultFileError(f"{page}: embeds {match['name']}, which is not a result file "
                                   f"in benchmarks/results/; fix the name or add the file")
-        body = "\n".join(_section(data)[2:]).rstrip("\n") + "\n"
+        # the docs speak of the product: the commit and date stay on the benchmarks page
+        lines = [line for line in _section(data)[2:] if not line.startswith("- commit: ")]
+        body = "\n".join(lines).rstrip("\n") + "\n"
         return match.group(1) + body + match.group(4)
 
     return EMBED.sub(fill, text)

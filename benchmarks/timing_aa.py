@@ -9,7 +9,8 @@ the last run's evidence fingerprint), as a ``pytest-dflash/benchmark/1`` file fo
     pytest-dflash selftest cpu.json --repeat 10 --run --dflash-route gemm.nvfp4.qpn2_packed \\
         --dflash-profile ci -k "validation_cost_verify_m or gemm_speed_large_m"
     python benchmarks/timing_aa.py cpu.repeat.json benchmarks/results/cpu-timing-aa.json \\
-        --machine "2-core AMD EPYC CPU, 24 GiB" --commit abc1234 --command "..."
+        --machine "2-core AMD EPYC CPU, 24 GiB" --commit "$(git rev-parse --short HEAD)" \\
+        --command "..." --about "..."
 """
 
 from __future__ import annotations

@@ -154,12 +154,15 @@ def test_a_page_embeds_a_result_table_that_render_fills_and_checks(tmp_path: Pat
     docs = tmp_path / "docs"
     docs.mkdir()
     page = docs / "gates.md"
-    page.write_text("# Gates\n\n<!-- results: cpu-main-job.json -->\nold\n<!-- /results -->\n")
+    page.write_text(
+        "# Gates\n\n<!-- results: cpu-main-job.json -->\nSTALE-TEXT\n<!-- /results -->\n")
     args = ["--docs", str(docs), "--page", str(docs / "benchmarks.md")]
-    assert render.main(["--check", *args]) == 1  # "old" is not the file's table
+    assert render.main(["--check", *args]) == 1  # the stale text is not the file's table
     assert render.main(args) == 0
     text = page.read_text()
-    assert "| route | gate | figure | verdict |" in text and "old" not in text
+    data = json.loads((ROOT / "benchmarks" / "results" / "cpu-main-job.json").read_text())
+    assert "| " + " | ".join(data["values"]["columns"]) + " |" in text and "STALE-TEXT" not in text
+    assert data["about"] in text and "- commit:" not in text
     assert text.startswith("# Gates") and text.rstrip().endswith("<!-- /results -->")
     assert render.main(["--check", *args]) == 0
     page.write_text("<!-- results: no-such-file.json -->\n<!-- /results -->\n")

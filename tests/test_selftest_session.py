@@ -80,9 +80,12 @@ def test_model_level_defects_are_caught(pytester: pytest.Pytester) -> None:
 
 
 def test_validation_cost_defects_are_caught(pytester: pytest.Pytester) -> None:
-    """Only the planted defects run (``-k``): proving the copy's "no regression" takes the
-    same up to 1536 rounds per verify width as the route's own gate does in the main job."""
+    """Only the planted defects run (``-k``), at the ci profile's sizes: a quick-profile
+    verify step lasts tens of microseconds, of which the op calls that the planted busy wait
+    scales are about half, so there a planted "2%" costs well under 2% and an exact gate may
+    rightly pass it (docs/selftest.md)."""
     result, report = _run(pytester, "-m", "sm70", "-k", "verify_path or verify_cost",
+                          "--dflash-profile", "ci",
                           "--dflash-gate", "gemm.nvfp4.qpn2_packed:validation_cost")
     vc = report["selftest"]["routes"]["gemm.nvfp4.qpn2_packed"]["validation_cost"]
     assert {d["key"]: d["status"] for d in vc["defects"]} == {

@@ -645,9 +645,8 @@ def process_compare(
     result records what each did). The first look uses ``processes`` processes; while the
     interval straddles ``threshold``, another ``processes`` are added, up to ``max_processes``.
     The error rate is spent across the looks as in :func:`paired_compare`. Later looks ask for
-    at least as many rounds as the earlier ones timed, or the rounds per process that Kalibera
-    & Jones' rule gives from the variances measured so far (up to max_rounds). At the cap a
-    straddling interval is "inconclusive".
+    at least the rounds per process that Kalibera & Jones' rule gives from the variances
+    measured so far (up to max_rounds). At the cap a straddling interval is "inconclusive".
     """
     if rule not in RULES:
         raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(RULES)}")
@@ -684,11 +683,13 @@ def process_compare(
         decision = decide(rule, threshold, lo, hi)
         if decision != "inconclusive" or final:
             break
-        # Kalibera & Jones' optimum, as the next look's minimum (a worker may time more: its
-        # time budget); with no measurable process bias, rounds are as good as processes
+        # Kalibera & Jones' optimum, as the next look's minimum (a worker times more when its
+        # time budget holds more); with no measurable process bias, rounds are as good as
+        # processes. Not the earlier looks' counts: a process whose warm-up round happened to
+        # be short timed many rounds, and asking every later process for as many would time
+        # the budget many times over.
         optimal = variance_components(taken)["optimal_rounds"]
-        floor = max(rounds, max(per_look))
-        per = int(min(cap, max(floor, math.ceil(optimal)))) if math.isfinite(optimal) else floor
+        per = int(min(cap, max(rounds, math.ceil(optimal)))) if math.isfinite(optimal) else rounds
     return ProcessResult(
         processes=taken, ratio=ratio, ci_low=lo, ci_high=hi, decision=decision,
         outcome=finding(rule, threshold, lo, hi), rule=rule, threshold=float(threshold),
