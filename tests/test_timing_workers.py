@@ -143,6 +143,16 @@ def test_a_worker_fills_its_time_budget_with_rounds_in_balanced_order(pool):
     capped = pool.sample(job, 1, rounds=4, warmup=2, seed=3, label="cap", max_rounds=6,
                          budget_s=10.0)
     assert len(capped[0].candidate_s) == 6
+    assert samples[0].info["warmup_rounds"] == 2  # short rounds: every warm-up round
+
+
+def test_a_round_longer_than_the_budget_warms_up_once(pool):
+    """60 ms rounds against a 20 ms budget: the first warm-up round has paid the first-call
+    costs, a second would cost as much as the timed rounds; the minimum rounds are timed."""
+    job = TimingJob("timing_jobs_for_test:pair", {"base_s": 0.03, "factor": 1.0})
+    [sample] = pool.sample(job, 1, rounds=2, warmup=3, seed=4, label="long",
+                           max_rounds=100, budget_s=0.02)
+    assert sample.info["warmup_rounds"] == 1 and len(sample.candidate_s) == 2
 
 
 @pytest.mark.parametrize(

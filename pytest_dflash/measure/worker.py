@@ -167,15 +167,24 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
         )
     run_cand, run_base, info = pair_timers(pair, ctx.device, ctx.policy)
     round_s = None
+    budget_s = float(message.get("budget_s", 0.0))
+    warmed = 0
     for _ in range(int(message["warmup"])):
         began = time.perf_counter()
         run_cand()
         run_base()
         round_s = time.perf_counter() - began  # the last warm-up round: caches and JIT warm
+        warmed += 1
+        if budget_s > 0 and round_s >= budget_s:
+            # a round that alone outlasts the process's timing budget (a cold prefill, a long
+            # attention) has paid its first-call costs in that round; a second warm-up round
+            # would cost as much as the timed rounds themselves
+            break
+    info["warmup_rounds"] = warmed
     setup_s = time.perf_counter() - start
     rounds = rounds_for(round_s, minimum=int(message["rounds"]),
                         maximum=int(message.get("max_rounds", message["rounds"])),
-                        budget_s=float(message.get("budget_s", 0.0)))
+                        budget_s=budget_s)
     info["round_s"] = round_s
     # the calls each side made in the timed rounds: a gate checks its replayed route hits
     info["timed_calls"] = rounds * int(info.get("calls_per_sample", 1))
