@@ -345,8 +345,8 @@ class _Launcher:
             unshare, chroot, *specs = self.prefix
             jail = [unshare, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
                     "--kill-child", "--", "/bin/sh", "-c", _CHROOT_SCRIPT, "dflash-jail",
-                    str(root / "jail"), str(root / "program.py"), str(disk_bytes), chroot, *specs,
-                    "--"]
+                    str(root / "jail"), str(root / "program.py"), str(disk_bytes), chroot,
+                    JAIL_WORKDIR, *specs, "--"]
             return jail + list(self.drop), Path(JAIL_WORKDIR)
         work = root / "work"
         chain = list(self.prefix)
@@ -407,7 +407,7 @@ def _bwrap_prefix(bwrap: str, as_root: bool) -> list[str]:
 # the namespace, so the program is an ordinary process that dies with it.
 _CHROOT_SCRIPT = r"""
 set -eu
-new="$1"; program="$2"; size="$3"; chroot="$4"; shift 4
+new="$1"; program="$2"; size="$3"; chroot="$4"; work="$5"; shift 5
 mount -t tmpfs -o mode=0755,size=1m dflash-root "$new"
 while [ "$1" != "--" ]; do
   op="${1%%:*}"; rest="${1#*:}"; shift
@@ -434,8 +434,8 @@ for d in null zero full random urandom; do
   : > "$new/dev/$d"; mount --bind "/dev/$d" "$new/dev/$d"
 done
 mount -t tmpfs -o "mode=1777,size=$size,nosuid,nodev" dflash-tmp "$new/tmp"
-mkdir -m 0777 "$new/tmp/work"
-cp "$program" "$new/tmp/work/program.py"; chmod 0444 "$new/tmp/work/program.py"
+mkdir -m 0777 "$new$work"
+cp "$program" "$new$work/program.py"; chmod 0444 "$new$work/program.py"
 mount -o remount,ro "$new"
 "$chroot" "$new" "$@"
 """
