@@ -265,6 +265,28 @@ def test_short_cpu_calls_are_repeated_within_a_sample_alike_on_both_sides():
     assert calls_per_sample(small_sum, "cpu", 1.0) > 1
 
 
+def test_a_call_far_longer_than_the_sample_minimum_is_sized_by_one_call():
+    """A first call that lasts LONG_CALL_FACTOR times the minimum settles one call a sample
+    without two more calls; a short one is sized by its fastest of three."""
+    import time
+
+    from pytest_dflash.measure.timing import LONG_CALL_FACTOR
+
+    made = {"long": 0, "short": 0}
+
+    def long_call() -> None:
+        made["long"] += 1
+        time.sleep(0.02)
+
+    def short_call() -> None:
+        made["short"] += 1
+
+    assert calls_per_sample(long_call, "cpu", 0.02 / (2 * LONG_CALL_FACTOR)) == 1
+    assert made["long"] == 1
+    assert calls_per_sample(short_call, "cpu", 0.001) > 1
+    assert made["short"] == 3
+
+
 def test_cpu_sample_minimum_must_not_be_negative():
     with pytest.raises(PolicyError, match="cpu_sample_min_s must be >= 0"):
         Policy(cpu_sample_min_s=-1.0)

@@ -46,7 +46,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 }
 # Portable flags only: the library must run on any x86-64/aarch64 machine the wheel lands on.
 # Vector speed comes from ATen's run-time dispatched kernels, not from -march.
-CFLAGS: tuple[str, ...] = ("-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-Wall")
+CFLAGS: tuple[str, ...] = ("-O3", "-std=c++20", "-fPIC", "-fopenmp", "-Wall")
+LINK_FLAGS: tuple[str, ...] = ("-shared", "-fopenmp")
 # nvcc: a plain-CUDA source behind a small launch interface (attn_d256_cuda.cu) needs no torch
 # include paths; a source that includes ATen/c10/torch headers (qpn_gemm_cuda.cu, through
 # qpn_common.h) gets them, with torch's own half/bfloat16 conventions and C++20 like the C++ part.
@@ -97,14 +98,20 @@ class CudaPlan:
 
 @dataclass(frozen=True)
 class BuildPlan:
-    """Everything one build runs: nvcc per CUDA source (objects), then g++ for C++ + link."""
+    """Everything one build runs: one compiler process per source (g++ for C++, nvcc for
+    CUDA), all at once, then one link of their objects."""
 
     variant: str
     key: str
-    cxx_cmd: list[str]  # compile flags and C++ sources; CUDA objects follow at build time
+    cxx_cmds: list[tuple[Path, list[str]]]  # (C++ source, its compile command minus -o)
+    link_cmd: list[str]  # the objects follow it, then link_flags
     link_flags: list[str]  # after the objects, so --as-needed keeps every library they use
     cuda: CudaPlan
     nvcc_cmds: list[tuple[Path, list[str]]] = field(default_factory=list)  # (source, cmd - -o)
+
+    def compiles(self) -> list[tuple[Path, list[str]]]:
+        """Every compile of the build, CUDA first (the slowest), each independent of the rest."""
+        return [*self.nvcc_cmds, *self.cxx_cmds]
 
 
 def csrc_dir() -> Path:
@@ -305,7 +312,9 @@ def build_plan(variant: str = "full") -> BuildPlan:
     cu_sources = cuda_sources() if cuda.enabled else []
     defines = [*VARIANTS[variant], *(["-DDFLASH_WITH_CUDA"] if cuda.enabled else [])]
     cuda_include = [f"-I{Path(str(cuda.cuda_home)) / 'include'}"] if cuda.enabled else []
-    cxx_cmd = [cxx, *CFLAGS, *defines, *map(str, sources), *_torch_flags(), *cuda_include]
+    cxx_flags = [*CFLAGS, *defines, *_torch_flags(), *cuda_include]
+    cxx_cmds = [(src, [cxx, *cxx_flags, "-c", str(src)]) for src in sources]
+    link_cmd = [cxx, *LINK_FLAGS]
     link_flags = _torch_link_flags(cuda)
     nvcc_cmds = [
         (src, [str(cuda.nvcc), *NVCC_FLAGS, "-ccbin", cxx, *cuda.gencode(), *defines,
@@ -318,19 +327,21 @@ def build_plan(variant: str = "full") -> BuildPlan:
         digest.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     digest.update(torch.__version__.encode() + b"\0")
     digest.update(_compiler_version(cxx).encode() + b"\0")
-    digest.update("\0".join([*cxx_cmd[1:], *link_flags]).encode())
+    digest.update("\0".join([*cxx_flags, *LINK_FLAGS, *link_flags]).encode())
     if cuda.enabled:
         digest.update(b"\0cuda\0" + str(cuda.version).encode())
         for _, cmd in nvcc_cmds:
             digest.update(b"\0" + "\0".join(cmd[1:]).encode())
-    return BuildPlan(variant, digest.hexdigest(), cxx_cmd, link_flags, cuda, nvcc_cmds)
+    return BuildPlan(variant, digest.hexdigest(), cxx_cmds, link_cmd, link_flags, cuda,
+                     nvcc_cmds)
 
 
 def build_key(variant: str = "full") -> tuple[str, list[str]]:
-    """The cache key (hex sha256) and the C++ compile-and-link command minus its output path
-    (and minus the CUDA objects, which a CUDA build adds before the link flags)."""
+    """The cache key (hex sha256) and every command of the build, flattened: each compile
+    minus its output path, then the link minus its objects and output path."""
     plan = build_plan(variant)
-    return plan.key, [*plan.cxx_cmd, *plan.link_flags]
+    return plan.key, [*(arg for _, cmd in plan.compiles() for arg in cmd), *plan.link_cmd,
+                      *plan.link_flags]
 
 
 def library_path(variant: str = "full", cache_dir: Path | None = None) -> Path:
@@ -353,8 +364,9 @@ def _run(cmd: list[str], target: Path) -> None:
 
 
 def _run_concurrently(cmds: list[list[str]], target: Path) -> None:
-    """Run independent compiles at once (each CUDA source is its own nvcc process, the slowest
-    part of a build); the first failure is raised once all have finished."""
+    """Run independent compiles at once (each source is its own compiler process: a build
+    takes as long as its slowest source where there are cores for all, not their sum); the
+    first failure is raised once all have finished."""
     if len(cmds) <= 1:
         for cmd in cmds:
             _run(cmd, target)
@@ -368,8 +380,8 @@ def _run_concurrently(cmds: list[list[str]], target: Path) -> None:
 
 
 def build_library(variant: str = "full", cache_dir: Path | None = None) -> Path:
-    """Return the cached library for ``variant``, compiling it first if needed (~15 s for the
-    C++ part, about a minute more with CUDA sources).
+    """Return the cached library for ``variant``, compiling it first if needed (about 20 s on
+    two cores for the C++ sources, compiled side by side; about a minute with CUDA sources).
 
     Safe against concurrent builders: the first takes the lock and compiles into a temporary
     file in the same directory, then renames it into place; the others wait on the lock and find
@@ -390,12 +402,13 @@ def build_library(variant: str = "full", cache_dir: Path | None = None) -> Path:
         fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
         os.close(fd)
         tmp = Path(tmp_name)
-        objects = [tmp.with_name(f"{tmp.name}.{src.stem}.o") for src, _ in plan.nvcc_cmds]
+        compiles = plan.compiles()
+        objects = [tmp.with_name(f"{tmp.name}.{src.name}.o") for src, _ in compiles]
         try:
             _run_concurrently([[*cmd, "-o", str(obj)]
-                               for (_, cmd), obj in zip(plan.nvcc_cmds, objects, strict=True)],
+                               for (_, cmd), obj in zip(compiles, objects, strict=True)],
                               target)
-            _run([*plan.cxx_cmd, *map(str, objects), *plan.link_flags, "-o", str(tmp)], target)
+            _run([*plan.link_cmd, *map(str, objects), *plan.link_flags, "-o", str(tmp)], target)
             os.chmod(tmp, 0o755)
             os.replace(tmp, target)
         finally:
