@@ -65,8 +65,11 @@ def gather_pages(
         raise ValueError(f"kv_len ({kv_len}) must be in [0, len(block_table) * block_size] = "
                          f"[0, {block_table.shape[0] * block_size}]")
     used = block_table[: -(-kv_len // block_size)].long()
-    # one device-to-host read for both bounds: an engine calls this every decode step
-    if used.numel() and bool(((used < 0) | (used >= num_blocks)).any()):
+    # one device-to-host read for both bounds: an engine calls this every decode step. Not
+    # while a CUDA graph is captured (a capture refuses the read): a step is captured only
+    # after eager calls of the very same step, which made the check
+    capturing = used.is_cuda and torch.cuda.is_current_stream_capturing()
+    if used.numel() and not capturing and bool(((used < 0) | (used >= num_blocks)).any()):
         raise ValueError(f"block_table holds block ids outside [0, {num_blocks}): "
                          f"{used.tolist()}")
     k = k_cache.index_select(0, used).flatten(0, 1)[:kv_len]

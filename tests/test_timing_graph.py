@@ -62,3 +62,40 @@ def test_a_step_that_cannot_be_captured_is_timed_eagerly_and_says_so():
     before = calls["n"]
     assert run_c() > 0
     assert calls["n"] == before + 1  # eager: the Python call ran
+
+
+def test_the_reference_engine_speculative_round_is_captured_and_replays_its_logits():
+    """The engine-level validation_cost pair (a speculative round, verify M = 1..8 on a warm
+    prefix) is captured as CUDA graphs, as a deployment replays it; a replay writes the logits
+    an eager round computes."""
+    from dflash_suites.support.engine import speculative_round, verify_drafts
+    from pytest_dflash.engines.data import prompt_ids
+    from pytest_dflash.engines.reference import build
+    from pytest_dflash.measure.timing import pair_timers
+    from pytest_dflash.measure.workers import TimedPair
+
+    dev = torch.device("cuda")
+    engine = build({"gemm.nvfp4": "gemm.nvfp4.qpn2"}, "quick", dev)
+    engine.prefill(prompt_ids(64, engine.encode))
+    drafts = verify_drafts(engine, 64, 8)
+    eager = [t.clone() for t in speculative_round(engine, drafts)()]
+    outputs: dict[str, list] = {"candidate": [], "baseline": []}
+
+    def round_of(side: str):
+        def round_() -> None:  # a capture keeps the tensors this call returned
+            outputs[side][:] = speculative_round(engine, drafts)()
+        return round_
+
+    run_c, run_b, info = pair_timers(
+        TimedPair(round_of("candidate"), round_of("baseline"), graph=True), dev, _policy())
+    assert info["graph"] == "captured", info["graph"]
+    for side, run in (("candidate", run_c), ("baseline", run_b)):
+        with torch.inference_mode():  # the engine's outputs are inference tensors
+            for t in outputs[side]:
+                t.zero_()
+        assert run() > 0
+        torch.cuda.synchronize()
+        got = outputs[side]
+        assert [tuple(t.shape) for t in got] == [(m, eager[0].shape[1]) for m in range(1, 9)]
+        for replayed, want in zip(got, eager, strict=True):
+            assert torch.equal(replayed, want)

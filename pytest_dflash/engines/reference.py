@@ -50,6 +50,8 @@ ATTN, GEMM, GEOMETRY = "attn.d256", "gemm.nvfp4", "prefill.geometry"
 FAMILIES = (ATTN, GEMM, GEOMETRY)
 MAX_VERIFY_ROWS = 8
 PREFIX_CACHE_ENTRIES = 8
+# device copies of the last verify drafts' token ids kept (see ReferenceEngine._row_ids)
+DRAFT_IDS_ENTRIES = 64
 # Decode/verify steps at most this long use the recurrent (reference) SSM form, as a decoder does.
 RECURRENT_MAX_TOKENS = MAX_VERIFY_ROWS
 
@@ -230,6 +232,7 @@ class ReferenceEngine:
         self._load(tensors)
         self._prefix: OrderedDict[tuple[int, ...], _State] = OrderedDict()
         self._current: _State | None = None
+        self._draft_ids: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
         self._dispatch: Counter[str] = Counter()
         self._kernel: Counter[str] = Counter()
         self._depth = 0
@@ -282,7 +285,7 @@ class ReferenceEngine:
             raise EngineError("a batched forward takes exactly one token per sequence")
         starts = [len(state.tokens) for state in states]
         t_len = len(ids[0])
-        x = self.w["embed.weight"][torch.tensor(ids, device=self.device)]  # [B, T, d]
+        x = self.w["embed.weight"][self._row_ids(ids)]  # [B, T, d]
         recurrent = t_len <= RECURRENT_MAX_TOKENS
         for i in range(cfg.n_layers):
             p = self.layer_params[i]
@@ -307,6 +310,26 @@ class ReferenceEngine:
                 state.tokens.extend(ids[b])
                 state.last_logits = logits[b, -1].clone()
         return list(logits.unbind(0))
+
+    def _row_ids(self, ids: list[list[int]]) -> torch.Tensor:
+        """The token ids of a forward, on the device.
+
+        One sequence's rows of at most a verify step's width are kept per content (the last
+        ``DRAFT_IDS_ENTRIES``): a deployment replays its verify steps as CUDA graphs, a capture
+        refuses a host-to-device copy, and a replay must read the very tensor it captured. The
+        eager calls before a capture put the drafts here, so the captured step copies nothing.
+        """
+        if len(ids) != 1 or len(ids[0]) > MAX_VERIFY_ROWS:
+            return torch.tensor(ids, device=self.device)
+        key = tuple(ids[0])
+        row = self._draft_ids.get(key)
+        if row is None:
+            row = self._draft_ids[key] = torch.tensor(ids, device=self.device)
+            while len(self._draft_ids) > DRAFT_IDS_ENTRIES:
+                self._draft_ids.popitem(last=False)
+        else:
+            self._draft_ids.move_to_end(key)
+        return row
 
     def _attention(self, kvs: list[_KV], p: dict[str, torch.Tensor], h: torch.Tensor,
                    starts: list[int]) -> torch.Tensor:
