@@ -285,7 +285,7 @@ class ReferenceEngine:
             raise EngineError("a batched forward takes exactly one token per sequence")
         starts = [len(state.tokens) for state in states]
         t_len = len(ids[0])
-        x = self.w["embed.weight"][self._row_ids(ids)]  # [B, T, d]
+        x = self.w["embed.weight"][self._row_ids(ids, commit)]  # [B, T, d]
         recurrent = t_len <= RECURRENT_MAX_TOKENS
         for i in range(cfg.n_layers):
             p = self.layer_params[i]
@@ -311,15 +311,16 @@ class ReferenceEngine:
                 state.last_logits = logits[b, -1].clone()
         return list(logits.unbind(0))
 
-    def _row_ids(self, ids: list[list[int]]) -> torch.Tensor:
+    def _row_ids(self, ids: list[list[int]], commit: bool) -> torch.Tensor:
         """The token ids of a forward, on the device.
 
-        One sequence's rows of at most a verify step's width are kept per content (the last
-        ``DRAFT_IDS_ENTRIES``): a deployment replays its verify steps as CUDA graphs, a capture
-        refuses a host-to-device copy, and a replay must read the very tensor it captured. The
-        eager calls before a capture put the drafts here, so the captured step copies nothing.
+        A verify step's drafts (one sequence, at most ``MAX_VERIFY_ROWS``, not committed) are
+        kept per content (the last ``DRAFT_IDS_ENTRIES``): a deployment replays its verify steps
+        as CUDA graphs, a capture refuses a host-to-device copy, and a replay must read the very
+        tensor it captured. The eager calls before a capture put the drafts here, so the
+        captured step copies nothing.
         """
-        if len(ids) != 1 or len(ids[0]) > MAX_VERIFY_ROWS:
+        if commit or len(ids) != 1 or len(ids[0]) > MAX_VERIFY_ROWS:
             return torch.tensor(ids, device=self.device)
         key = tuple(ids[0])
         row = self._draft_ids.get(key)

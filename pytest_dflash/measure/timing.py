@@ -151,8 +151,9 @@ def calls_per_sample(baseline: Callable[[], Any], device: torch.device | str,
     else enough calls of ``baseline`` (its fastest of 3 single calls) to last ``min_seconds``.
 
     A first call that alone lasts ``LONG_CALL_FACTOR`` times ``min_seconds`` settles it at 1
-    without two more: a first call is at most that much slower than a warm one in practice, and
-    the two calls saved are a second of every worker's setup for a 0.25 s attention prefill.
+    without two more: unless warm calls are that many times faster than the first, one call
+    already fills a sample, and the two calls saved are half a second of every timing worker's
+    setup for a 0.24 s attention prefill on the CPU.
     """
     if torch.device(device).type != "cpu" or min_seconds <= 0:
         return 1
