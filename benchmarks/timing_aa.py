@@ -1,14 +1,14 @@
-"""Turn the counts of ``pytest-dflash selftest --repeat K`` into a result file.
+"""Turn the run reports of ``pytest-dflash selftest --repeat K`` into a result file.
 
-The repeat command writes ``NAME.repeat.json`` (pass / inconclusive / fail per route, timing gate
-and planted route, over the runs that finished) and a report per run. This writes those counts,
-with the worst interval the route itself showed in any run and where the runs were measured (from
-the last run's evidence fingerprint), as a ``pytest-dflash/benchmark/1`` file for
-``benchmarks/render.py``:
+The repeat command writes a report per run (``NAME.runI.json``). This counts pass / inconclusive
+/ fail per route, timing gate and planted route over the reports given (several repeat commands'
+runs may be pooled: each row says how many runs measured it), with the worst interval the route
+itself showed in any run and where the runs were measured (from the last report's evidence
+fingerprint), as a ``pytest-dflash/benchmark/1`` file for ``benchmarks/render.py``:
 
     pytest-dflash selftest cpu.json --repeat 10 --run --dflash-route gemm.nvfp4.qpn2_packed \\
         --dflash-profile ci -k "validation_cost_verify_m or gemm_speed_large_m"
-    python benchmarks/timing_aa.py cpu.repeat.json benchmarks/results/cpu-timing-aa.json \\
+    python benchmarks/timing_aa.py cpu.run*.json --out benchmarks/results/cpu-timing-aa.json \\
         --machine "2-core AMD EPYC CPU, 24 GiB" --commit "$(git rev-parse --short HEAD)" \\
         --command "..." --about "..."
 """
@@ -47,7 +47,7 @@ def _order(key: str) -> tuple[int, float]:
 
 
 def _worst_interval(reports: list[dict[str, Any]], route: str, kind: str) -> str:
-    """The route's own timing figure with the highest CI upper bound over every run."""
+    """``route``'s timing figure with the highest CI upper bound over every run."""
     worst: tuple[float, str] | None = None
     for report in reports:
         gate = report["routes"].get(route, {}).get("gates", {}).get(kind, {})
@@ -59,15 +59,21 @@ def _worst_interval(reports: list[dict[str, Any]], route: str, kind: str) -> str
     return worst[1] if worst else "-"
 
 
-def result_file(counts: dict[str, Any], reports: list[dict[str, Any]], *, machine: str,
-                commit: str, command: str, about: str) -> dict[str, Any]:
+def result_file(reports: list[dict[str, Any]], *, machine: str, commit: str, command: str,
+                about: str) -> dict[str, Any]:
+    from pytest_dflash.evidence.catch import COPY
+    from pytest_dflash.selftest.catalogue import planted_name
+    from pytest_dflash.selftest.repeat import tally
+
+    counts = tally(reports)
     rows = []
     for route, kinds in sorted(counts["routes"].items()):
         for kind, keys in sorted(kinds.items()):
             for key in sorted(keys, key=_order):
                 c = keys[key]
-                worst = _worst_interval(reports, route, kind) if key == "route" else "-"
-                rows.append([route, kind, _label(key, kind), str(counts["runs"]), str(c["pass"]),
+                name = route if key == "route" else planted_name(route, key)
+                worst = _worst_interval(reports, name, kind) if key in ("route", COPY) else "-"
+                rows.append([route, kind, _label(key, kind), str(sum(c.values())), str(c["pass"]),
                              str(c["inconclusive"]), str(c["fail"]),
                              str(c["error"] + c["pending"]), worst])
     fingerprint = reports[-1]["fingerprint"]
@@ -80,23 +86,23 @@ def result_file(counts: dict[str, Any], reports: list[dict[str, Any]], *, machin
         "torch": fingerprint["torch"], "cuda": fingerprint.get("cuda"), "commit": commit,
         "date": datetime.date.today().isoformat(), "command": command,
         "values": {"columns": ["route", "gate", "planted", "runs", "pass", "inconclusive",
-                               "fail", "other", "route's widest interval of a run"],
+                               "fail", "other", "widest interval of a run (route, A/A copy)"],
                    "rows": rows},
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("counts", type=Path, help="NAME.repeat.json of pytest-dflash selftest")
-    parser.add_argument("out", type=Path, help="the result file to write")
+    parser.add_argument("reports", type=Path, nargs="+",
+                        help="the run reports (NAME.runI.json) of pytest-dflash selftest --repeat")
+    parser.add_argument("--out", type=Path, required=True, help="the result file to write")
     parser.add_argument("--machine", required=True)
     parser.add_argument("--commit", required=True)
     parser.add_argument("--command", required=True)
     parser.add_argument("--about", required=True)
     args = parser.parse_args(argv)
-    counts = json.loads(args.counts.read_text(encoding="utf-8"))
-    reports = [json.loads(Path(p).read_text(encoding="utf-8")) for p in counts["reports"]]
-    data = result_file(counts, reports, machine=args.machine, commit=args.commit,
+    reports = [json.loads(path.read_text(encoding="utf-8")) for path in args.reports]
+    data = result_file(reports, machine=args.machine, commit=args.commit,
                        command=args.command, about=args.about)
     args.out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return 0

@@ -38,16 +38,18 @@ def test_repeat_counts_pass_inconclusive_fail_per_planted_route():
         _report(["passed"], ["passed"], ["failed"]),
         _report(["passed", "inconclusive"], ["inconclusive"], ["failed"]),
         _report(["passed"], ["passed", "skipped"], ["error"]),
+        _report([], ["passed"], ["failed"]),  # the route itself deselected (-k) in this run
     ]
     section = repeat.tally(reports)
     counts = section["routes"]["g.f.r"]["validation_cost"]
-    assert section["runs"] == 3
+    assert section["runs"] == 4
     assert counts["route"] == {"pass": 2, "inconclusive": 1, "fail": 0, "error": 0, "pending": 0}
-    assert counts["copy"] == {"pass": 1, "inconclusive": 1, "fail": 0, "error": 0, "pending": 1}
-    assert counts["verify_cost_5pct"]["fail"] == 2 and counts["verify_cost_5pct"]["error"] == 1
+    assert counts["copy"] == {"pass": 2, "inconclusive": 1, "fail": 0, "error": 0, "pending": 1}
+    assert counts["verify_cost_5pct"]["fail"] == 3 and counts["verify_cost_5pct"]["error"] == 1
     lines = repeat.render(section)
     assert lines[2].split()[2] == "route" and lines[3].split()[2] == "copy"  # route, copy, rungs
-    assert lines[3].split()[3:7] == ["1", "1", "0", "1"]
+    assert lines[2].split()[3] == "3"  # measured in 3 of the 4 runs
+    assert lines[3].split()[3:8] == ["4", "2", "1", "0", "1"]
 
 
 def test_hit_source_must_be_a_route_of_the_same_family():

@@ -41,7 +41,11 @@ def gate_result(gate: Mapping[str, Any] | None) -> str:
 
 def tally(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Counts per original route, timing gate kind and planted key ("route" = the route
-    itself, "copy", "slow_2pct", ...) over the runs' reports."""
+    itself, "copy", "slow_2pct", ...) over the runs' reports.
+
+    A gate with no test in a run (deselected by ``-k``, or not run at all) is not an outcome
+    of that run: it is left out of the counts, so each row's total says how many runs it was
+    measured in. A gate whose tests ran but were skipped counts as pending."""
     counts: dict[str, Any] = {}
     for report in reports:
         for name, entry in report.get("routes", {}).items():
@@ -49,14 +53,15 @@ def tally(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             original = planted["from"] if planted else name
             key = planted["defect"] if planted else "route"
             for kind in ("speed", "validation_cost"):
-                if kind not in entry.get("required", []):
+                gate = entry.get("gates", {}).get(kind)
+                if kind not in entry.get("required", []) or not (gate or {}).get("tests"):
                     continue
                 cell = (
                     counts.setdefault(original, {})
                     .setdefault(kind, {})
                     .setdefault(key, dict.fromkeys(OUTCOMES, 0))
                 )
-                cell[gate_result(entry["gates"].get(kind))] += 1
+                cell[gate_result(gate)] += 1
     return {"runs": len(reports), "routes": counts}
 
 
@@ -74,8 +79,7 @@ def _order(key: str) -> tuple[int, float, str]:
 
 def render(section: Mapping[str, Any]) -> list[str]:
     """One row per route, gate and planted route: pass / inconclusive / fail counts of K."""
-    runs = section["runs"]
-    header = f"{'route':<34} {'gate':<16} {'planted':<18} pass  inconcl  fail  other  (of {runs})"
+    header = f"{'route':<34} {'gate':<16} {'planted':<18} runs  pass  inconcl  fail  other"
     lines = [header, "-" * len(header)]
     for route, kinds in sorted(section["routes"].items()):
         for kind, keys in sorted(kinds.items()):
@@ -83,7 +87,7 @@ def render(section: Mapping[str, Any]) -> list[str]:
                 c = keys[key]
                 other = c["error"] + c["pending"]
                 lines.append(
-                    f"{route:<34} {kind:<16} {key:<18} {c['pass']:>4}  "
+                    f"{route:<34} {kind:<16} {key:<18} {sum(c.values()):>4}  {c['pass']:>4}  "
                     f"{c['inconclusive']:>7}  {c['fail']:>4}  {other:>5}"
                 )
     return lines
