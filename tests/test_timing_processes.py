@@ -16,6 +16,7 @@ from pytest_dflash.measure.statistics import (
     ProcessSample,
     across_processes,
     decide,
+    decision_chance,
     finding,
     paired_compare,
     process_compare,
@@ -23,7 +24,7 @@ from pytest_dflash.measure.statistics import (
     threshold_for,
     variance_components,
 )
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.session.policy import Policy, PolicyError
 
 POLICY = Policy()
 BIAS = 0.01  # sigma of the per-process log bias: 1%, well inside what the host path shows
@@ -31,7 +32,8 @@ NOISE = 0.03  # sigma of the per-round log noise
 ROUNDS = 24  # what a worker's time budget (policy timing_process_s) gives a ~10 ms round
 
 
-def _simulated(rng: np.random.Generator, true_ratio: float, bias: float | None = None):
+def _simulated(rng: np.random.Generator, true_ratio: float, bias: float | None = None,
+               bias_sd: float = BIAS):
     """``sample(n, rounds)`` of simulated processes around ``true_ratio``."""
     made = [0]
 
@@ -39,7 +41,7 @@ def _simulated(rng: np.random.Generator, true_ratio: float, bias: float | None =
         out = []
         for _ in range(count):
             made[0] += 1
-            b = rng.normal(0.0, BIAS) if bias is None else bias
+            b = rng.normal(0.0, bias_sd) if bias is None else bias
             base = 1e-3 * rng.lognormal(0.0, NOISE, rounds)
             cand = base * true_ratio * np.exp(b) * rng.lognormal(0.0, NOISE, rounds)
             out.append(
@@ -57,10 +59,11 @@ def _simulated(rng: np.random.Generator, true_ratio: float, bias: float | None =
     return sample
 
 
-def _decide_across(seed: int, true_ratio: float, rule: str = "no_regression"):
+def _decide_across(seed: int, true_ratio: float, rule: str = "no_regression", *,
+                   futility: float = POLICY.timing_futility, bias_sd: float = BIAS):
     rng = np.random.default_rng(seed)
     return process_compare(
-        _simulated(rng, true_ratio),
+        _simulated(rng, true_ratio, bias_sd=bias_sd),
         processes=POLICY.timing_processes,
         max_processes=POLICY.timing_max_processes,
         rounds=ROUNDS,
@@ -68,6 +71,7 @@ def _decide_across(seed: int, true_ratio: float, rule: str = "no_regression"):
         rule=rule,
         threshold=threshold_for(rule, POLICY),
         max_rounds=POLICY.timing_max_rounds_per_process,
+        futility=futility,
     )
 
 
@@ -149,7 +153,7 @@ def test_planted_slowdowns_are_caught():
 
 
 def test_looks_add_processes_and_record_kalibera_jones_rounds():
-    result = _decide_across(3, 1.009)  # right at the floor: needs every look
+    result = _decide_across(3, 1.009, futility=0.0)  # right at the floor: needs every look
     assert result.looks == [6, 12, 18]
     assert len(result.processes) == 18
     assert result.rounds_per_process[:6] == [ROUNDS] * 6
@@ -212,3 +216,49 @@ def test_inconclusive_never_promotes_and_never_says_slower():
     # a failure elsewhere still rejects: inconclusive does not mask a fail
     failing = {**gates, "parity": {"status": "failed", "tests": [_test("failed", "bad")]}}
     assert route_verdict(["parity", "validation_cost"], failing)[0] == "reject"
+
+
+def test_futility_stops_only_hopeless_gates_and_only_as_inconclusive():
+    """A speed gate whose true gain equals the margin, with a 6% per-process spread (a cold
+    prefill on two cores): the cap almost never decides, so most runs stop at an interim look.
+    Every run that decides with the futility stop decides the same without it (the same
+    processes), and a stopped run is inconclusive, never a pass or a fail."""
+    margin = 1.0 - POLICY.speed_min_gain
+    stopped, timed_with, timed_without = 0, 0, 0
+    for seed in range(40):
+        with_stop = _decide_across(seed, margin, "gain", bias_sd=0.06)
+        without = _decide_across(seed, margin, "gain", futility=0.0, bias_sd=0.06)
+        timed_with += len(with_stop.processes)
+        timed_without += len(without.processes)
+        if with_stop.stopped_futile is not None:
+            stopped += 1
+            assert with_stop.decision == "inconclusive"
+            assert with_stop.stopped_futile < POLICY.timing_futility
+            assert len(with_stop.processes) < POLICY.timing_max_processes
+            assert "futility stop" in with_stop.stop_reason()
+        else:
+            assert with_stop.decision == without.decision
+            assert with_stop.looks == without.looks
+    assert stopped >= 15
+    assert timed_with < 0.9 * timed_without
+
+
+def test_futility_never_stops_a_gate_heading_for_a_decision():
+    """Identical code on the 1% no-regression floor and a clear 5% gain, at the usual spread:
+    the cap's chance of a decision stays high, so no look stops them early."""
+    for seed in range(30):
+        assert _decide_across(seed, 1.0).stopped_futile is None
+        assert _decide_across(seed, 0.95, "gain").stopped_futile is None
+
+
+def test_decision_chance_is_high_far_from_the_margin_and_low_on_it():
+    rng = np.random.default_rng(7)
+    far = np.log(0.90) + rng.normal(0.0, 0.01, 6)
+    on = np.log(0.99) + rng.normal(0.0, 0.08, 12)
+    kw = {"final_n": 18, "final_confidence": 0.955, "rule": "gain", "threshold": 0.99}
+    assert decision_chance(far, **kw) > 0.99
+    assert decision_chance(on, **kw) < 0.05
+    with pytest.raises(ValueError, match="2 <= n < final_n"):
+        decision_chance(far, final_n=6, final_confidence=0.955, rule="gain", threshold=0.99)
+    with pytest.raises(PolicyError, match="timing_futility must be a probability"):
+        Policy(timing_futility=1.0)

@@ -238,7 +238,7 @@ def paired_compare(
         ratios = np.asarray(cand) / np.asarray(base)
         looks.append(len(cand))
         final = len(looks) == len(plan)
-        look_conf = _look_confidence(confidence, len(plan), final)
+        look_conf = look_confidence(confidence, len(plan), final)
         median, lo, hi = bootstrap_ci(
             ratios, confidence=look_conf, resamples=resamples, seed=[seed, 1, len(looks)]
         )
@@ -273,7 +273,7 @@ def _planned_looks(rounds: int, max_rounds: int) -> list[int]:
     return plan
 
 
-def _look_confidence(confidence: float, looks: int, final: bool) -> float:
+def look_confidence(confidence: float, looks: int, final: bool) -> float:
     """Per-look CI level so that the whole adaptive run keeps ``confidence`` (alpha spending).
 
     Every look is a chance to stop on a wrong decision, so the error rate ``1 - confidence`` is
@@ -565,6 +565,10 @@ class ProcessResult:
     looks: list[int]  # processes at each look
     rounds_per_process: list[int]  # rounds each look's processes timed
     variance: dict[str, float] = field(default_factory=dict)
+    # an inconclusive result stopped before the cap: the predictive probability that the cap
+    # would have decided (futility_stop); None when the looks ran to a decision or the cap
+    stopped_futile: float | None = None
+    max_processes: int | None = None
 
     @property
     def passed(self) -> bool:
@@ -589,8 +593,17 @@ class ProcessResult:
         op = "<" if self.rule == "gain" else "<="
         return f"needs CI upper {op} {self.threshold:.3f}"
 
+    def stop_reason(self) -> str:
+        """Why an inconclusive result stopped where it did, in words."""
+        if self.stopped_futile is None:
+            return "at the process cap"
+        return (f"stopped at {len(self.processes)} of {self.max_processes} processes: the cap "
+                f"would have decided with a predictive probability of "
+                f"{self.stopped_futile:.1%} (futility stop)")
+
     def measurements(self) -> dict[str, Any]:
         return {
+            "stopped_futile": self.stopped_futile,
             "figure": self.figure(), "ratio_median": self.ratio, "ci_low": self.ci_low,
             "ci_high": self.ci_high, "confidence": self.confidence, "decision": self.decision,
             "outcome": self.outcome, "passed": self.passed, "rule": self.rule,
@@ -627,6 +640,40 @@ def variance_components(processes: Sequence[ProcessSample]) -> dict[str, float]:
             "optimal_rounds": optimal}
 
 
+def _normal_cdf(z: float) -> float:
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+def decision_chance(statistics: Sequence[float], *, final_n: int, final_confidence: float,
+                    rule: str, threshold: float) -> float:
+    """Predictive probability that the look at ``final_n`` processes decides (pass or fail).
+
+    Given the process statistics so far (n of them, mean m, sd s), the mean over ``final_n``
+    processes is predicted as normal around m with sd ``s * sqrt((N - n) / (N n))`` (the
+    predictive distribution under a flat prior: the future processes' mean is uncertain both
+    through their own noise and through the unknown true mean), and the final interval's
+    half-width as ``t * s / sqrt(N)``. A route whose interval sits on the margin with a spread
+    that the remaining processes cannot narrow enough has a small chance: timing them is work
+    that almost surely ends inconclusive anyway (stochastic curtailment for futility).
+    """
+    data = _finite_1d(statistics, "statistics")
+    n = data.size
+    if n < 2 or final_n <= n:
+        raise ValueError(f"a prediction needs 2 <= n < final_n processes, got n={n}, "
+                         f"final_n={final_n}")
+    mean, sd = float(np.mean(data)), float(np.std(data, ddof=1))
+    log_threshold = math.log(threshold)
+    half = t_quantile(0.5 + final_confidence / 2, final_n - 1) * sd / math.sqrt(final_n)
+    spread = sd * math.sqrt((final_n - n) / (final_n * n))
+    if spread == 0.0:  # identical statistics: the prediction is the current interval's
+        lo, hi = mean - half, mean + half
+        _, decided = _decide(rule, log_threshold, lo, hi)
+        return 1.0 if decided else 0.0
+    chance_pass = _normal_cdf((log_threshold - half - mean) / spread)
+    chance_fail = _normal_cdf((mean - half - log_threshold) / spread)
+    return min(1.0, chance_pass + chance_fail)
+
+
 def process_compare(
     sample: Callable[[int, int], Sequence[ProcessSample]],
     *,
@@ -637,6 +684,7 @@ def process_compare(
     rule: str,
     threshold: float,
     max_rounds: int | None = None,
+    futility: float = 0.0,
 ) -> ProcessResult:
     """Decide ``rule`` on an interval across processes, adding processes at each look.
 
@@ -647,6 +695,9 @@ def process_compare(
     The error rate is spent across the looks as in :func:`paired_compare`. Later looks ask for
     at least the rounds per process that Kalibera & Jones' rule gives from the variances
     measured so far (up to max_rounds). At the cap a straddling interval is "inconclusive".
+    An interim look whose chance of a decision at the cap (:func:`decision_chance`) is below
+    ``futility`` stops there, inconclusive too (0: never): it can only end a gate early as
+    pending, never turn it into a pass or a fail.
     """
     if rule not in RULES:
         raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(RULES)}")
@@ -661,6 +712,9 @@ def process_compare(
     if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold > 0):
         raise ValueError(f"threshold must be a positive ratio, got {threshold!r}")
     _check_confidence(confidence)
+    if not 0.0 <= futility < 1.0:
+        raise ValueError(f"futility must be a probability in [0, 1) (0: never stop early), "
+                         f"got {futility!r}")
     cap = max_rounds if max_rounds is not None else 4 * rounds
     plan = list(range(processes, max_processes + 1, processes))
     if plan[-1] != max_processes:
@@ -669,6 +723,7 @@ def process_compare(
     looks: list[int] = []
     per_look: list[int] = []
     per = rounds
+    stopped: float | None = None
     while True:
         new = list(sample(plan[len(looks)] - len(taken), per))
         if len(new) != plan[len(looks)] - len(taken):
@@ -678,11 +733,18 @@ def process_compare(
         per_look.extend(len(p.candidate_s) for p in new)
         looks.append(len(taken))
         final = len(looks) == len(plan)
-        look_conf = _look_confidence(confidence, len(plan), final)
+        look_conf = look_confidence(confidence, len(plan), final)
         ratio, lo, hi = across_processes([p.statistic for p in taken], look_conf)
         decision = decide(rule, threshold, lo, hi)
         if decision != "inconclusive" or final:
             break
+        if futility > 0:
+            chance = decision_chance(
+                [p.statistic for p in taken], final_n=plan[-1], rule=rule, threshold=threshold,
+                final_confidence=look_confidence(confidence, len(plan), True))
+            if chance < futility:
+                stopped = chance
+                break
         # Kalibera & Jones' optimum, as the next look's minimum (a worker times more when its
         # time budget holds more); with no measurable process bias, rounds are as good as
         # processes. Not the earlier looks' counts: a process whose warm-up round happened to
@@ -694,5 +756,6 @@ def process_compare(
         processes=taken, ratio=ratio, ci_low=lo, ci_high=hi, decision=decision,
         outcome=finding(rule, threshold, lo, hi), rule=rule, threshold=float(threshold),
         confidence=look_conf, looks=looks, rounds_per_process=per_look,
-        variance=variance_components(taken),
+        variance=variance_components(taken), stopped_futile=stopped,
+        max_processes=plan[-1],
     )

@@ -222,9 +222,10 @@ def speed_gate(
             f"{label}: {_verdict_words(result)}: {result.figure()}; {result.requirement()}"
         )
     if decision == "inconclusive":
+        where = f" ({result.stop_reason()})" if isinstance(result, ProcessResult) else ""
         raise TimingInconclusive(
             f"{label}: inconclusive, route left pending: {result.figure()} straddles the "
-            f"margin ({result.requirement()}); it shows neither a pass nor a regression")
+            f"margin ({result.requirement()}){where}; it shows neither a pass nor a regression")
     return result
 
 
@@ -250,7 +251,8 @@ def _across_processes(pool: workers.TimingPool, job: workers.TimingJob, *, polic
             sample, processes=policy.timing_processes,
             max_processes=policy.timing_max_processes,
             rounds=policy.timing_min_rounds_per_process, confidence=policy.speed_confidence,
-            rule=rule, threshold=threshold, max_rounds=policy.timing_max_rounds_per_process)
+            rule=rule, threshold=threshold, max_rounds=policy.timing_max_rounds_per_process,
+            futility=policy.timing_futility)
 
 
 def _in_process(candidate: Callable[[], Any], baseline: Callable[[], Any], *, policy: Policy,

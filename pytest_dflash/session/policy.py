@@ -46,6 +46,10 @@ class Policy:
     timing_process_s: float = 0.25
     timing_min_rounds_per_process: int = 2
     timing_max_rounds_per_process: int = 4096
+    # an interim look stops, inconclusive, when the predictive probability that the process cap
+    # would decide (pass or fail) is below this: processes that cannot resolve the margin are
+    # not timed (0: always run to the cap). It only ever ends a gate early as pending.
+    timing_futility: float = 0.05
     # a worker that sends nothing (no answer, no progress line) this long is killed as hung
     timing_worker_timeout_s: float = 300.0
     bootstrap_resamples: int = 2000
@@ -114,6 +118,10 @@ class Policy:
         if not self.timing_process_s >= 0:
             raise PolicyError(f"timing_process_s must be >= 0 seconds (0: the minimum rounds), "
                               f"got {self.timing_process_s}; fix [tool.pytest-dflash]")
+        if not 0 <= self.timing_futility < 1:
+            raise PolicyError(f"timing_futility must be a probability in [0, 1) (0: every "
+                              f"inconclusive gate runs to timing_max_processes), got "
+                              f"{self.timing_futility}; fix [tool.pytest-dflash]")
         if not self.timing_worker_timeout_s > 0:
             raise PolicyError(f"timing_worker_timeout_s must be > 0 seconds, got "
                               f"{self.timing_worker_timeout_s}; fix [tool.pytest-dflash]")

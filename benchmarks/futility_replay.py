@@ -1,0 +1,102 @@
+"""Replay the futility stop (policy ``timing_futility``) on the processes recorded in reports.
+
+A report keeps every timing test's per-process statistics in the order the looks took them.
+This reruns each interim look's futility check on them and counts the results it would have
+stopped early and the decisions it would have changed (a stop only ever makes a result
+inconclusive, so a change means a recorded pass or fail that the stop would have cut short),
+and writes the counts as a ``pytest-dflash/benchmark/1`` file for ``benchmarks/render.py``:
+
+    python benchmarks/futility_replay.py h200.run*.json cpu-main-job.json \\
+        --out benchmarks/results/futility-replay.json --machine "..." --commit "..." \\
+        --command "..." --about "..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pytest_dflash.measure.statistics import (
+    across_processes,
+    decide,
+    decision_chance,
+    look_confidence,
+)
+from pytest_dflash.session.policy import Policy
+
+
+def _results(report: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(route, what, measurement) of every cross-process timing result in ``report``."""
+    for route, entry in report.get("routes", {}).items():
+        for kind, gate in entry.get("gates", {}).items():
+            for test in gate.get("tests", []):
+                measured = test.get("measurements", {})
+                name = test["nodeid"].split("::")[-1]
+                for key, item in [("", measured), *measured.get("per_m", {}).items()]:
+                    if isinstance(item, dict) and item.get("unit") == "process":
+                        yield route, f"{kind} {name} {key}".strip(), item
+
+
+def replay(item: dict[str, Any], policy: Policy) -> tuple[int, float] | None:
+    """(processes, chance) where the stop would have ended ``item``, or None."""
+    stats = [p["statistic"] for p in item["processes"]]
+    plan = list(range(policy.timing_processes, policy.timing_max_processes + 1,
+                      policy.timing_processes))
+    for n in item["looks"][:-1]:
+        _, lo, hi = across_processes(stats[:n], look_confidence(
+            policy.speed_confidence, len(plan), False))
+        if decide(item["rule"], item["threshold"], lo, hi) != "inconclusive":
+            return None
+        chance = decision_chance(stats[:n], final_n=plan[-1], rule=item["rule"],
+                                 threshold=item["threshold"], final_confidence=look_confidence(
+                                     policy.speed_confidence, len(plan), True))
+        if chance < policy.timing_futility:
+            return n, chance
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("reports", type=Path, nargs="+")
+    parser.add_argument("--out", type=Path, required=True)
+    for name in ("machine", "commit", "command", "about"):
+        parser.add_argument(f"--{name}", required=True)
+    args = parser.parse_args(argv)
+    policy = Policy()
+    total, rows = 0, []
+    fingerprint: dict[str, Any] = {}
+    for path in args.reports:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        fingerprint = fingerprint or report["fingerprint"]  # the first report's environment
+        for route, what, item in _results(report):
+            total += 1
+            stop = replay(item, policy)
+            if stop is not None:
+                rows.append([route, what, item["figure"].split(";")[0], item["decision"],
+                             f"{stop[0]} of {policy.timing_max_processes}", f"{stop[1]:.3f}",
+                             "yes" if item["decision"] != "inconclusive" else "no"])
+    data = {
+        "schema": "pytest-dflash/benchmark/1", "kind": "measured", "topic": "timing protocol",
+        "title": f"The futility stop replayed on {total} recorded timing results "
+                 f"({len(args.reports)} runs): {len(rows)} stopped early",
+        "about": args.about, "machine": args.machine,
+        "python": fingerprint["python"], "torch": fingerprint["torch"],
+        "cuda": fingerprint.get("cuda"), "commit": args.commit,
+        "date": datetime.date.today().isoformat(),
+        "command": args.command,
+        "values": {"columns": ["route", "timing result", "recorded", "recorded decision",
+                               "stop at processes", "chance of a decision at the cap",
+                               "decision changed"],
+                   "rows": rows},
+    }
+    args.out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
