@@ -266,13 +266,14 @@ def test_short_cpu_calls_are_repeated_within_a_sample_alike_on_both_sides():
 
 
 def test_a_call_far_longer_than_the_sample_minimum_is_sized_by_one_call():
-    """A first call that lasts LONG_CALL_FACTOR times the minimum settles one call a sample
-    without two more calls; a short one is sized by its fastest of three."""
+    """Two calls that each last LONG_CALL_FACTOR times the minimum settle one call a sample
+    without a third; a short one is sized by its fastest of three, and so is a short call whose
+    first call alone was long (a fresh worker's first call pays its first-call costs)."""
     import time
 
     from pytest_dflash.measure.timing import LONG_CALL_FACTOR
 
-    made = {"long": 0, "short": 0}
+    made = {"long": 0, "short": 0, "cold": 0}
 
     def long_call() -> None:
         made["long"] += 1
@@ -281,10 +282,18 @@ def test_a_call_far_longer_than_the_sample_minimum_is_sized_by_one_call():
     def short_call() -> None:
         made["short"] += 1
 
-    assert calls_per_sample(long_call, "cpu", 0.02 / (2 * LONG_CALL_FACTOR)) == 1
-    assert made["long"] == 1
+    def cold_first_call() -> None:
+        made["cold"] += 1
+        if made["cold"] == 1:
+            time.sleep(0.02)
+
+    minimum = 0.02 / (2 * LONG_CALL_FACTOR)
+    assert calls_per_sample(long_call, "cpu", minimum) == 1
+    assert made["long"] == 2
     assert calls_per_sample(short_call, "cpu", 0.001) > 1
     assert made["short"] == 3
+    assert calls_per_sample(cold_first_call, "cpu", minimum) > 1
+    assert made["cold"] == 3
 
 
 def test_cpu_sample_minimum_must_not_be_negative():

@@ -150,17 +150,18 @@ def calls_per_sample(baseline: Callable[[], Any], device: torch.device | str,
     """How many back-to-back calls one sample holds: 1 on CUDA or when ``min_seconds`` is 0,
     else enough calls of ``baseline`` (its fastest of 3 single calls) to last ``min_seconds``.
 
-    A first call that alone lasts ``LONG_CALL_FACTOR`` times ``min_seconds`` settles it at 1
-    without two more: unless warm calls are that many times faster than the first, one call
-    already fills a sample, and the two calls saved are half a second of every timing worker's
-    setup for a 0.24 s attention prefill on the CPU.
+    Two first calls that each last ``LONG_CALL_FACTOR`` times ``min_seconds`` settle it at 1
+    without a third: one call already fills a sample, and the call saved is a quarter second of
+    every timing worker's setup for a 0.24 s attention prefill on the CPU. Not the first call
+    alone: in a fresh worker it pays the first-call costs (a 0.4 ms verify step's first call can
+    take 20 ms), and a sample sized by it would hold one call where warm ones need five.
     """
     if torch.device(device).type != "cpu" or min_seconds <= 0:
         return 1
-    first = cpu_timer(baseline)
-    if first >= LONG_CALL_FACTOR * min_seconds:
+    first, second = cpu_timer(baseline), cpu_timer(baseline)
+    if min(first, second) >= LONG_CALL_FACTOR * min_seconds:
         return 1
-    single = min(first, *(cpu_timer(baseline) for _ in range(2)))
+    single = min(first, second, cpu_timer(baseline))
     return max(1, min(10_000, math.ceil(min_seconds / max(single, 1e-9))))
 
 
