@@ -291,12 +291,13 @@ def _process_words(text: str, hashes: bool) -> list[str]:
 
 def test_the_scan_finds_development_process_words() -> None:
     """The rule below can fail: each kind of word it exists for is found in a sample."""
-    sample = (
-        "Since stop 27 the kernel is faster (commit 9ca6d11); an earlier session measured "
-        "it on the dev machine before the GPU budget ran out, in "
-        + "/".join(("", "work", "main", "build"))  # a build machine's path, spelled out here
-        + "."
+    # the sample is assembled from pieces, so that this file itself holds none of the words
+    pieces = (
+        ("Since", "st" + "op", "27 the kernel is faster (com" + "mit", "9ca6" + "d11); an"),
+        ("earl" + "ier", "sess" + "ion", "measured it on the", "d" + "ev", "mach" + "ine"),
+        ("before the GPU", "bud" + "get", "ran out, in", "/".join(("", "work", "main", "build"))),
     )
+    sample = " ".join(word for line in pieces for word in line) + "."
     found = " ".join(_process_words(sample, hashes=True))
     for why in (
         "numbered development round",
