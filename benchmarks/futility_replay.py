@@ -21,12 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pytest_dflash.measure.statistics import (
-    across_processes,
-    decide,
-    decision_chance,
-    look_confidence,
-)
+from pytest_dflash.measure.statistics import ProcessSample, process_compare, threshold_for
 from pytest_dflash.session.policy import Policy
 
 
@@ -43,21 +38,32 @@ def _results(report: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]
 
 
 def replay(item: dict[str, Any], policy: Policy) -> tuple[int, float] | None:
-    """(processes, chance) where the stop would have ended ``item``, or None."""
-    stats = [p["statistic"] for p in item["processes"]]
-    plan = list(range(policy.timing_processes, policy.timing_max_processes + 1,
-                      policy.timing_processes))
-    for n in item["looks"][:-1]:
-        _, lo, hi = across_processes(stats[:n], look_confidence(
-            policy.speed_confidence, len(plan), False))
-        if decide(item["rule"], item["threshold"], lo, hi) != "inconclusive":
-            return None
-        chance = decision_chance(stats[:n], final_n=plan[-1], rule=item["rule"],
-                                 threshold=item["threshold"], final_confidence=look_confidence(
-                                     policy.speed_confidence, len(plan), True))
-        if chance < policy.timing_futility:
-            return n, chance
-    return None
+    """(processes, chance) where the stop would have ended ``item``, or None.
+
+    The gate's own sequential decision (``process_compare``) runs again, with the policy's
+    futility stop, on the recorded processes in the order the looks took them."""
+    recorded = [
+        ProcessSample(worker=p["worker"], pid=p["pid"], candidate_s=p["samples"]["candidate"],
+                      baseline_s=p["samples"]["baseline"], orders=p["orders"],
+                      setup_s=p["setup_s"])
+        for p in item["processes"]
+    ]
+    taken = [0]
+
+    def sample(count: int, rounds: int) -> list[ProcessSample]:
+        del rounds  # what each recorded process timed is what it timed
+        out = recorded[taken[0] : taken[0] + count]
+        taken[0] += count
+        return out
+
+    result = process_compare(
+        sample, processes=policy.timing_processes, max_processes=policy.timing_max_processes,
+        rounds=policy.timing_min_rounds_per_process, confidence=policy.speed_confidence,
+        rule=item["rule"], threshold=threshold_for(item["rule"], policy),
+        max_rounds=policy.timing_max_rounds_per_process, futility=policy.timing_futility)
+    if result.stopped_futile is None:
+        return None
+    return len(result.processes), result.stopped_futile
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -238,7 +238,7 @@ def paired_compare(
         ratios = np.asarray(cand) / np.asarray(base)
         looks.append(len(cand))
         final = len(looks) == len(plan)
-        look_conf = look_confidence(confidence, len(plan), final)
+        look_conf = _look_confidence(confidence, len(plan), final)
         median, lo, hi = bootstrap_ci(
             ratios, confidence=look_conf, resamples=resamples, seed=[seed, 1, len(looks)]
         )
@@ -273,7 +273,7 @@ def _planned_looks(rounds: int, max_rounds: int) -> list[int]:
     return plan
 
 
-def look_confidence(confidence: float, looks: int, final: bool) -> float:
+def _look_confidence(confidence: float, looks: int, final: bool) -> float:
     """Per-look CI level so that the whole adaptive run keeps ``confidence`` (alpha spending).
 
     Every look is a chance to stop on a wrong decision, so the error rate ``1 - confidence`` is
@@ -733,7 +733,7 @@ def process_compare(
         per_look.extend(len(p.candidate_s) for p in new)
         looks.append(len(taken))
         final = len(looks) == len(plan)
-        look_conf = look_confidence(confidence, len(plan), final)
+        look_conf = _look_confidence(confidence, len(plan), final)
         ratio, lo, hi = across_processes([p.statistic for p in taken], look_conf)
         decision = decide(rule, threshold, lo, hi)
         if decision != "inconclusive" or final:
@@ -741,7 +741,7 @@ def process_compare(
         if futility > 0:
             chance = decision_chance(
                 [p.statistic for p in taken], final_n=plan[-1], rule=rule, threshold=threshold,
-                final_confidence=look_confidence(confidence, len(plan), True))
+                final_confidence=_look_confidence(confidence, len(plan), True))
             if chance < futility:
                 stopped = chance
                 break
