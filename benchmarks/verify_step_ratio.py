@@ -30,7 +30,7 @@ from dflash_kernels import qpn_native
 from dflash_kernels.gemm import QPN2, QPN2_PACKED
 from dflash_suites.support.gemm import layer_shape, make_weight, make_x
 from pytest_dflash.measure.statistics import paired_compare
-from pytest_dflash.measure.timing import calls_per_sample, timer_for
+from pytest_dflash.measure.timing import calls_per_sample, round_timer
 from pytest_dflash.session.policy import Policy
 
 
@@ -43,7 +43,6 @@ def main() -> None:
     device = torch.device(args.device)
     qpn_native.require(device)
     policy = Policy()
-    timer = timer_for(device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     k_gu, n_gu = layer_shape("gate_up", args.profile)
     k_down, n_down = layer_shape("down", args.profile)
@@ -61,12 +60,8 @@ def main() -> None:
 
         calls = calls_per_sample(off, device, policy.cpu_sample_min_s)
 
-        def timed(fn, calls: int = calls):
-            def run() -> float:
-                return timer(lambda: [fn() for _ in range(calls)]) / calls
-            return run
-
-        result = paired_compare(timed(on), timed(off), rounds=args.rounds,
+        result = paired_compare(round_timer(on, off, device=device, calls=calls),
+                                rounds=args.rounds,
                                 max_rounds=args.rounds, confidence=policy.speed_confidence,
                                 resamples=policy.bootstrap_resamples, seed=policy.seed + m,
                                 rule="no_regression", threshold=1 + policy.validation_noise_floor,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pytest_dflash.measure import progress
-from pytest_dflash.measure.statistics import paired_compare
+from pytest_dflash.measure.statistics import paired_compare, sides
 
 
 class Recorder:
@@ -80,7 +80,7 @@ def test_paired_loop_reports_every_round() -> None:
     def run() -> float:
         return 1e-3 * (1 + (next(clock) % 5) / 100)
 
-    result = paired_compare(run, run, rounds=4, max_rounds=8, confidence=0.95, resamples=200,
+    result = paired_compare(sides(run, run), rounds=4, max_rounds=8, confidence=0.95, resamples=200,
                             seed=1, rule="gain", threshold=0.99,
                             on_round=lambda done, target, c, b: seen.append((done, target,
                                                                              len(c))))

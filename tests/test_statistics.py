@@ -24,6 +24,7 @@ from pytest_dflash.measure.statistics import (
     mcnemar_regression,
     paired_bootstrap,
     paired_compare,
+    sides,
     threshold_for,
 )
 from pytest_dflash.session.policy import Policy
@@ -43,8 +44,7 @@ def _compare(true_ratio: float, rule: str, sim: int) -> PairedResult:
     policy = POLICY
     noise = np.random.default_rng([20261129, sim])
     return paired_compare(
-        _timer(noise, 1e-3 * true_ratio),
-        _timer(noise, 1e-3),
+        sides(_timer(noise, 1e-3 * true_ratio), _timer(noise, 1e-3)),
         rounds=policy.speed_rounds,
         max_rounds=max_rounds_for(rule, policy),
         confidence=policy.speed_confidence,
@@ -103,8 +103,7 @@ def test_interleaving_follows_the_recorded_seeded_order():
         return timed
 
     result = paired_compare(
-        run("c", 1e-3),
-        run("b", 1e-3),
+        sides(run("c", 1e-3), run("b", 1e-3)),
         rounds=12,
         max_rounds=12,
         confidence=0.95,
@@ -119,8 +118,7 @@ def test_interleaving_follows_the_recorded_seeded_order():
     assert ["".join(timed[i : i + 2]) for i in range(0, len(timed), 2)] == result.orders
     assert {"cb", "bc"} <= set(result.orders)
     again = paired_compare(
-        run("c", 1e-3),
-        run("b", 1e-3),
+        sides(run("c", 1e-3), run("b", 1e-3)),
         rounds=12,
         max_rounds=12,
         confidence=0.95,
@@ -131,8 +129,7 @@ def test_interleaving_follows_the_recorded_seeded_order():
     )
     assert again.orders == result.orders  # seeded
     other = paired_compare(
-        run("c", 1e-3),
-        run("b", 1e-3),
+        sides(run("c", 1e-3), run("b", 1e-3)),
         rounds=12,
         max_rounds=12,
         confidence=0.95,
@@ -197,21 +194,21 @@ def test_bad_arguments_are_refused_with_the_fix():
     ok = dict(rounds=12, max_rounds=48, confidence=0.95, resamples=2000, seed=1, threshold=0.99)
     one = lambda: 1e-3  # noqa: E731
     with pytest.raises(ValueError, match="unknown rule 'faster'; known rules: gain, no_regression"):
-        paired_compare(one, one, rule="faster", **ok)
+        paired_compare(sides(one, one), rule="faster", **ok)
     with pytest.raises(ValueError, match="max_rounds"):
-        paired_compare(one, one, rule="gain", **{**ok, "max_rounds": 6})
+        paired_compare(sides(one, one), rule="gain", **{**ok, "max_rounds": 6})
     with pytest.raises(ValueError, match="rounds must be an integer >= 2"):
-        paired_compare(one, one, rule="gain", **{**ok, "rounds": 1})
+        paired_compare(sides(one, one), rule="gain", **{**ok, "rounds": 1})
     with pytest.raises(ValueError, match="resamples must be an integer >= 100"):
-        paired_compare(one, one, rule="gain", **{**ok, "resamples": 10})
+        paired_compare(sides(one, one), rule="gain", **{**ok, "resamples": 10})
     with pytest.raises(ValueError, match="confidence must be"):
-        paired_compare(one, one, rule="gain", **{**ok, "confidence": 95})
+        paired_compare(sides(one, one), rule="gain", **{**ok, "confidence": 95})
     with pytest.raises(ValueError, match="below the timer's resolution"):
-        paired_compare(lambda: 0.0, one, rule="gain", **ok)
+        paired_compare(sides(lambda: 0.0, one), rule="gain", **ok)
     with pytest.raises(ValueError, match="run_baseline returned -1.0"):
-        paired_compare(one, lambda: -1.0, rule="gain", **ok)
+        paired_compare(sides(one, lambda: -1.0), rule="gain", **ok)
     with pytest.raises(TypeError, match="must return elapsed seconds as a number"):
-        paired_compare(lambda: None, one, rule="gain", **ok)
+        paired_compare(sides(lambda: None, one), rule="gain", **ok)
     with pytest.raises(ValueError, match="at least 2 values"):
         bootstrap_ci([1.0], confidence=0.95, resamples=2000, seed=0)
     with pytest.raises(ValueError, match="NaN/Inf"):

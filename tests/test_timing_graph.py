@@ -31,16 +31,16 @@ def test_a_capturable_verify_step_is_timed_as_graph_replays():
         launches["n"] += 1  # Python runs only when called eagerly, never in a replay
         torch.matmul(x, w.T, out=out)
 
-    run_c, run_b, info = pair_timers(TimedPair(step, step, graph=True), dev, _policy())
+    run_round, info = pair_timers(TimedPair(step, step, graph=True), dev, _policy())
     assert info["graph"] == "captured"
     assert info["eager_s"]["candidate"] > 0 and info["eager_s"]["baseline"] > 0
     before = launches["n"]
-    times = [run_c() for _ in range(5)] + [run_b() for _ in range(5)]
+    times = [t for order in ("cb", "bc") * 3 for t in run_round(order)]
     assert launches["n"] == before  # the timed calls were replays, not Python calls
-    assert all(0 < t < 0.1 for t in times)
+    assert len(times) == 12 and all(0 < t < 0.1 for t in times)
     expected = x @ w.T
     out.zero_()
-    run_c()
+    run_round("cb")
     torch.cuda.synchronize()
     assert torch.allclose(out, expected, atol=1e-2, rtol=1e-2)  # the replay did the work
 
@@ -57,11 +57,11 @@ def test_a_step_that_cannot_be_captured_is_timed_eagerly_and_says_so():
         calls["n"] += 1
         float((x * 2).sum().item())  # a host sync: not allowed while capturing
 
-    run_c, _, info = pair_timers(TimedPair(syncing, syncing, graph=True), dev, _policy())
+    run_round, info = pair_timers(TimedPair(syncing, syncing, graph=True), dev, _policy())
     assert info["graph"].startswith("not captured, timed eagerly: ")
     before = calls["n"]
-    assert run_c() > 0
-    assert calls["n"] == before + 1  # eager: the Python call ran
+    assert all(t > 0 for t in run_round("cb"))
+    assert calls["n"] == before + 2  # eager: the Python calls of both sides ran
 
 
 def test_the_reference_engine_speculative_round_is_captured_and_replays_its_logits():
@@ -88,15 +88,15 @@ def test_the_reference_engine_speculative_round_is_captured_and_replays_its_logi
                 outputs[side][:] = got
         return round_
 
-    run_c, run_b, info = pair_timers(
+    run_round, info = pair_timers(
         TimedPair(round_of("candidate"), round_of("baseline"), graph=True), dev, _policy())
     assert info["graph"] == "captured", info["graph"]
-    for side, run in (("candidate", run_c), ("baseline", run_b)):
-        with torch.inference_mode():  # the engine's outputs are inference tensors
-            for t in outputs[side]:
-                t.zero_()
-        assert run() > 0
-        torch.cuda.synchronize()
+    with torch.inference_mode():  # the engine's outputs are inference tensors
+        for t in outputs["candidate"] + outputs["baseline"]:
+            t.zero_()
+    assert all(t > 0 for t in run_round("cb"))
+    torch.cuda.synchronize()
+    for side in ("candidate", "baseline"):
         got = outputs[side]
         assert [tuple(t.shape) for t in got] == [(m, eager[0].shape[1]) for m in range(1, 9)]
         for replayed, want in zip(got, eager, strict=True):

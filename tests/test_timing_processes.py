@@ -20,6 +20,7 @@ from pytest_dflash.measure.statistics import (
     finding,
     paired_compare,
     process_compare,
+    sides,
     t_quantile,
     threshold_for,
     variance_components,
@@ -117,8 +118,7 @@ def test_one_biased_process_rejects_identical_code_the_old_way_but_not_across_pr
     one = _simulated(rng, 1.0, bias=0.02)(1, 1536)[0]
     cand, base = iter(one.candidate_s), iter(one.baseline_s)  # one of each per round
     old = paired_compare(
-        lambda: next(cand),
-        lambda: next(base),
+        sides(lambda: next(cand), lambda: next(base)),
         rounds=12,
         max_rounds=1536,
         confidence=0.95,

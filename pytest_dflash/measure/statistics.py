@@ -174,9 +174,26 @@ def max_rounds_for(rule: str, policy: Policy) -> int:
     return policy.validation_max_rounds if rule == "no_regression" else policy.speed_max_rounds
 
 
+RoundTimer = Callable[[str], tuple[float, float]]
+
+
+def sides(run_candidate: Callable[[], float], run_baseline: Callable[[], float]) -> RoundTimer:
+    """A round of one timed run of each side, in the order asked for (``"cb"``: candidate
+    first), for :func:`paired_compare`: ``run_*`` each perform ONE timed run and return its
+    elapsed seconds."""
+
+    def run_round(order: str) -> tuple[float, float]:
+        if order == "cb":
+            c = run_candidate()
+            return c, run_baseline()
+        b = run_baseline()
+        return run_candidate(), b
+
+    return run_round
+
+
 def paired_compare(
-    run_candidate: Callable[[], float],
-    run_baseline: Callable[[], float],
+    run_round: RoundTimer,
     *,
     rounds: int,
     max_rounds: int,
@@ -190,7 +207,9 @@ def paired_compare(
 ) -> PairedResult:
     """Time both sides interleaved, in a seeded random order per round, and decide by ``rule``.
 
-    ``run_*`` each perform ONE timed run and return its elapsed seconds. Starts with ``rounds``
+    ``run_round(order)`` times one round, candidate first for ``"cb"`` and baseline first for
+    ``"bc"``, and returns (candidate, baseline) elapsed seconds (:func:`sides` makes one from
+    two single-run timers; ``timing.round_timer`` alternates short calls). Starts with ``rounds``
     rounds; while the CI straddles ``threshold`` the number of rounds doubles, up to
     ``max_rounds``. Interim looks stop only on a decision their (stricter, alpha-spending) CI
     supports, and an undecided run at the cap fails (fail closed). ``PairedResult.confidence`` is
@@ -211,8 +230,7 @@ def paired_compare(
     _check_resamples(resamples)
 
     for _ in range(warmup):
-        _timed(run_candidate, "run_candidate")
-        _timed(run_baseline, "run_baseline")
+        _round(run_round, "cb")
 
     plan = _planned_looks(rounds, max_rounds)
     order_rng = np.random.default_rng([seed, 0])
@@ -223,14 +241,8 @@ def paired_compare(
     target = rounds
     while True:
         while len(cand) < target:
-            if order_rng.random() < 0.5:
-                orders.append("cb")
-                c = _timed(run_candidate, "run_candidate")
-                b = _timed(run_baseline, "run_baseline")
-            else:
-                orders.append("bc")
-                b = _timed(run_baseline, "run_baseline")
-                c = _timed(run_candidate, "run_candidate")
+            orders.append("cb" if order_rng.random() < 0.5 else "bc")
+            c, b = _round(run_round, orders[-1])
             cand.append(c)
             base.append(b)
             if on_round is not None:
@@ -353,8 +365,12 @@ def _discordant(b: int, c: int) -> int:
     return int(b) + int(c)
 
 
-def _timed(fn: Callable[[], float], name: str) -> float:
-    value = fn()
+def _round(run_round: RoundTimer, order: str) -> tuple[float, float]:
+    c, b = run_round(order)
+    return _seconds(c, "run_candidate"), _seconds(b, "run_baseline")
+
+
+def _seconds(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name} must return elapsed seconds as a number, got {value!r}")
     seconds = float(value)

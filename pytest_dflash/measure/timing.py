@@ -12,9 +12,9 @@ job (a gate that can only build its calls in this process) it times rounds here
 * times ONE call per sample on CUDA: events around the call with the L2 cache flushed first (a
   cold L2, as a prefill that streams its weights sees) and a single synchronize after, so no
   host overhead or sync latency is counted. On the CPU (``perf_counter_ns``) a call shorter than
-  ``policy.cpu_sample_min_s`` is repeated back to back within a sample, the same number of
-  times on both sides (:func:`calls_per_sample`), so OS jitter does not swamp a sub-millisecond
-  call;
+  ``policy.cpu_sample_min_s`` is made several times in a round, the same number of times on
+  both sides (:func:`calls_per_sample`), alternating the sides call by call
+  (:func:`round_timer`), so OS jitter does not swamp a sub-millisecond call;
 * runs an untimed ``before_each`` (e.g. a prefix-cache reset) before every timed call;
 * warms both sides up, then hands the pair to
 :func:`pytest_dflash.measure.statistics.paired_compare`
@@ -39,6 +39,7 @@ from pytest_dflash.measure import progress, workers
 from pytest_dflash.measure.statistics import (
     PairedResult,
     ProcessResult,
+    RoundTimer,
     max_rounds_for,
     paired_compare,
     process_compare,
@@ -147,7 +148,7 @@ def timer_for(device: torch.device | str) -> Callable[[Callable[[], Any]], float
 
 def calls_per_sample(baseline: Callable[[], Any], device: torch.device | str,
                      min_seconds: float) -> int:
-    """How many back-to-back calls one sample holds: 1 on CUDA or when ``min_seconds`` is 0,
+    """How many calls of each side one round holds: 1 on CUDA or when ``min_seconds`` is 0,
     else enough calls of ``baseline`` (its fastest of 3 single calls) to last ``min_seconds``.
 
     Two first calls that each last ``LONG_CALL_FACTOR`` times ``min_seconds`` settle it at 1
@@ -165,15 +166,35 @@ def calls_per_sample(baseline: Callable[[], Any], device: torch.device | str,
     return max(1, min(10_000, math.ceil(min_seconds / max(single, 1e-9))))
 
 
-def _repeated(fn: Callable[[], Any], calls: int) -> Callable[[], Any]:
-    if calls == 1:
-        return fn
+def round_timer(candidate: Callable[[], Any], baseline: Callable[[], Any], *,
+                device: torch.device | str, calls: int = 1,
+                before_each: Callable[[], Any] | None = None) -> RoundTimer:
+    """One timed round of the pair, in the order asked for: (candidate, baseline) seconds per call.
 
-    def run() -> None:
-        for _ in range(calls):
-            fn()
+    With ``calls`` > 1 (short CPU calls, :func:`calls_per_sample`) the round alternates the two
+    sides call by call, each call timed alone, the side that goes first swapping from one pair
+    of calls to the next, and each side's figure is the mean of its calls. Not k calls of one
+    side and then k of the other: a 0.3 ms verify step on two threads of two cores drifts
+    between speed states lasting milliseconds, and a block of k calls of each side catches one
+    side in a slow state; alternated calls share every state, which took the spread of the
+    per-round log ratio of identical code from 0.13 to 0.09 and of the per-process statistic
+    from 1.1% to 0.8% (benchmarks/results/cpu-round-design.json). Each call sees the other
+    side's working set in the caches, alike for both sides. ``before_each`` runs, untimed,
+    before every timed call.
+    """
+    timer = timer_for(device)
+    sides = {"c": candidate, "b": baseline}
 
-    return run
+    def run_round(order: str) -> tuple[float, float]:
+        spent = {"c": 0.0, "b": 0.0}
+        for i in range(calls):
+            for side in order if i % 2 == 0 else order[::-1]:
+                if before_each is not None:
+                    before_each()
+                spent[side] += timer(sides[side])
+        return spent["c"] / calls, spent["b"] / calls
+
+    return run_round
 
 
 def speed_gate(
@@ -261,27 +282,14 @@ def _in_process(candidate: Callable[[], Any], baseline: Callable[[], Any], *, po
                 rule: str) -> tuple[PairedResult, dict[str, Any]]:
     if before_each is not None and not callable(before_each):
         raise TypeError(f"{label}: before_each must be a zero-argument callable or None")
-    timer = timer_for(device)
     threshold = threshold_for(rule, policy)
     calls = 1 if before_each is not None else calls_per_sample(baseline, device,
                                                                policy.cpu_sample_min_s)
-
-    def timed(fn: Callable[[], Any]) -> Callable[[], float]:
-        sample = _repeated(fn, calls)
-
-        def run() -> float:
-            if before_each is not None:
-                before_each()
-            return timer(sample) / calls
-
-        return run
-
     max_rounds = max_rounds_for(rule, policy)
     with progress.gate(label, rule=rule, threshold=threshold, max_rounds=max_rounds,
                        confidence=policy.speed_confidence) as on_round:
         result = paired_compare(
-            timed(candidate),
-            timed(baseline),
+            round_timer(candidate, baseline, device=device, calls=calls, before_each=before_each),
             rounds=policy.speed_rounds,
             max_rounds=max_rounds,
             confidence=policy.speed_confidence,
@@ -296,14 +304,15 @@ def _in_process(candidate: Callable[[], Any], baseline: Callable[[], Any], *, po
 
 
 def pair_timers(pair: workers.TimedPair, device: torch.device,
-                policy: Policy) -> tuple[Callable[[], float], Callable[[], float], dict[str, Any]]:
-    """Zero-argument timers of a worker's pair, and how they time (for the report).
+                policy: Policy) -> tuple[RoundTimer, dict[str, Any]]:
+    """The round timer of a worker's pair (:func:`round_timer`), and how it times (for the
+    report).
 
     CUDA with ``pair.graph``: both calls are captured once in CUDA graphs and each timed
     replay is one graph launch between events (the L2 flushed before), as a deployment runs its
     M <= 8 verification steps; the eager time of each side is measured beside it. A call that
     cannot be captured is timed eagerly and ``info["graph"]`` says why. CPU: calls shorter than
-    ``policy.cpu_sample_min_s`` are repeated within a sample, the same count on both sides.
+    ``policy.cpu_sample_min_s`` are alternated within a round, the same count on both sides.
     """
     dev = torch.device(device)
     before = pair.before_each
@@ -320,21 +329,9 @@ def pair_timers(pair: workers.TimedPair, device: torch.device,
                                "baseline": min(timer(eager[1]) for _ in range(5))}
         else:
             info["graph"] = f"not captured, timed eagerly: {why}"
-    timer = timer_for(dev)
     calls = 1 if before is not None else calls_per_sample(base, dev, policy.cpu_sample_min_s)
     info["calls_per_sample"] = calls
-
-    def timed(fn: Callable[[], Any]) -> Callable[[], float]:
-        sample = _repeated(fn, calls)
-
-        def run() -> float:
-            if before is not None:
-                before()
-            return timer(sample) / calls
-
-        return run
-
-    return timed(cand), timed(base), info
+    return round_timer(cand, base, device=dev, calls=calls, before_each=before), info
 
 
 def _capture_pair(candidate: Callable[[], Any], baseline: Callable[[], Any],

@@ -165,14 +165,13 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
         raise TypeError(
             f"builder {message['builder']} returned {type(pair).__name__}, expected a TimedPair"
         )
-    run_cand, run_base, info = pair_timers(pair, ctx.device, ctx.policy)
+    run_round, info = pair_timers(pair, ctx.device, ctx.policy)
     round_s = None
     budget_s = float(message.get("budget_s", 0.0))
     warmed = 0
     for _ in range(int(message["warmup"])):
         began = time.perf_counter()
-        run_cand()
-        run_base()
+        run_round("cb")
         round_s = time.perf_counter() - began  # the last warm-up round: caches and JIT warm
         warmed += 1
         if budget_s > 0 and round_s >= budget_s:
@@ -194,12 +193,9 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
     last = time.monotonic()
     with hits.counting() as delta:
         for order in orders:
-            if order == "cb":
-                cand.append(run_cand())
-                base.append(run_base())
-            else:
-                base.append(run_base())
-                cand.append(run_cand())
+            c, b = run_round(order)
+            cand.append(c)
+            base.append(b)
             if time.monotonic() - last > 2.0:
                 beat({"progress": len(cand)})
                 last = time.monotonic()
