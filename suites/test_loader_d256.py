@@ -1,6 +1,6 @@
 """Loader gate of family attn.d256 (docs/gates.md, "loader").
 
-Every loader state is exercised for real, each scenario in its own interpreter, with real library
+Every loader state is exercised for real, each scenario in its own process, with real library
 files: the full and dense-only builds of ``kernels/csrc``, copies of the full build at other paths
 (sidecar and clash), a file of random bytes, a text file and a path that does not exist. A route
 that claims the native ops must run them where they are real (hits on the route itself) and must
@@ -61,10 +61,10 @@ _RESULTS: dict[str, dict[str, Outcome]] = {}
 
 @pytest.fixture
 def outcomes(dflash_gate, files) -> dict[str, Outcome]:
-    """All scenarios of this route, run once (concurrently, one interpreter each)."""
+    """All scenarios of this route, run once (concurrently, one process each)."""
     route = dflash_gate.route
     if not isinstance(route.impl, str):
-        pytest.fail(f"{route.name}: the loader gate runs the route in child interpreters "
+        pytest.fail(f"{route.name}: the loader gate runs the route in child processes "
                     "and needs its impl as a 'module:attribute' string, got "
                     f"{type(route.impl).__name__}")
     key = f"{route.name}@{dflash_gate.device}"
