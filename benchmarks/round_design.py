@@ -8,8 +8,10 @@ kernel, so the true ratio is 1) is timed in fresh processes, each for ``--budget
 rounds after a warm-up, the calls per round sized as the gate sizes them
 (``timing.calls_per_sample``). Two layouts of a round:
 
-- ``block``: k calls of one side timed as one sample, then k calls of the other;
-- ``alternate``: the gate's ``timing.round_timer``, the sides alternating call by call.
+- ``block``: the gate's ``timing.round_timer``, k calls of one side timed as one sample, then
+  k calls of the other;
+- ``alternate``: the sides alternating call by call, each call timed alone, the side that goes
+  first swapping from one pair of calls to the next (measured, not kept).
 
 Per layout and width it reports the spread of the per-round log ratio (the median over
 processes of each process's standard deviation) and the spread of the per-process statistic
@@ -53,12 +55,13 @@ def child(m: int, design: str, budget: float) -> dict[str, float]:
                         profile="ci", device=torch.device("cpu"))
     cand, base = steps.steps(m)
     calls = calls_per_sample(base, "cpu", policy.cpu_sample_min_s)
-    alternate = round_timer(cand, base, device="cpu", calls=calls)
+    block = round_timer(cand, base, device="cpu", calls=calls)
 
-    def block(order: str) -> tuple[float, float]:
-        sample = {"c": cand, "b": base}
-        spent = {side: cpu_timer(lambda f=sample[side]: [f() for _ in range(calls)])
-                 for side in order}
+    def alternate(order: str) -> tuple[float, float]:
+        sides, spent = {"c": cand, "b": base}, {"c": 0.0, "b": 0.0}
+        for i in range(calls):
+            for side in order if i % 2 == 0 else order[::-1]:
+                spent[side] += cpu_timer(sides[side])
         return spent["c"] / calls, spent["b"] / calls
 
     run_round = alternate if design == "alternate" else block

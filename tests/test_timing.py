@@ -242,9 +242,9 @@ def test_speed_gate_refuses_bad_arguments():
         speed_gate(small_sum, 3, policy=POLICY, device="cpu", record=Recorder(), label="x")
 
 
-def test_a_round_alternates_short_calls_side_by_side_with_the_first_side_swapping():
-    """k calls of each side in a round go c b b c c b ... (or b c c b ...), each timed alone,
-    never k of one side and then k of the other; before_each runs before every call."""
+def test_a_round_times_each_side_as_one_sample_in_the_order_asked():
+    """A round of k calls a side: k calls of the side named first, then k of the other, each
+    side's figure the mean of its k; before_each (one call a sample) runs before every call."""
     from pytest_dflash.measure.timing import round_timer
 
     log: list[str] = []
@@ -252,19 +252,23 @@ def test_a_round_alternates_short_calls_side_by_side_with_the_first_side_swappin
     def side(name: str):
         return lambda: log.append(name)
 
-    run_round = round_timer(side("c"), side("b"), device="cpu", calls=4,
-                            before_each=lambda: log.append("reset"))
+    run_round = round_timer(side("c"), side("b"), device="cpu", calls=3)
     c, b = run_round("cb")
-    assert [x for x in log if x != "reset"] == list("cbbccbbc")
-    assert log.count("reset") == 8 and log[0] == "reset"
-    assert c > 0 and b > 0
+    assert log == list("cccbbb") and c > 0 and b > 0
     log.clear()
     run_round("bc")
-    assert [x for x in log if x != "reset"] == list("bccbbccb")
+    assert log == list("bbbccc")
+    log.clear()
+    reset = round_timer(side("c"), side("b"), device="cpu",
+                        before_each=lambda: log.append("reset"))
+    reset("bc")
+    assert log == ["reset", "b", "reset", "c"]
+    with pytest.raises(ValueError, match="before_each reset needs one call a sample"):
+        round_timer(side("c"), side("b"), device="cpu", calls=2, before_each=lambda: None)
 
 
-def test_short_cpu_calls_are_repeated_within_a_round_alike_on_both_sides():
-    """A call far shorter than cpu_sample_min_s is made k times per round (k from the
+def test_short_cpu_calls_are_repeated_within_a_sample_alike_on_both_sides():
+    """A call far shorter than cpu_sample_min_s is repeated k times per sample (k from the
     baseline, the same for both sides); CUDA, a zero minimum or a before_each keep one call."""
     calls = {"candidate": 0, "baseline": 0}
 

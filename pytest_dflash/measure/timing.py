@@ -12,9 +12,9 @@ job (a gate that can only build its calls in this process) it times rounds here
 * times ONE call per sample on CUDA: events around the call with the L2 cache flushed first (a
   cold L2, as a prefill that streams its weights sees) and a single synchronize after, so no
   host overhead or sync latency is counted. On the CPU (``perf_counter_ns``) a call shorter than
-  ``policy.cpu_sample_min_s`` is made several times in a round, the same number of times on
-  both sides (:func:`calls_per_sample`), alternating the sides call by call
-  (:func:`round_timer`), so OS jitter does not swamp a sub-millisecond call;
+  ``policy.cpu_sample_min_s`` is repeated back to back within a sample, the same number of
+  times on both sides (:func:`calls_per_sample`, :func:`round_timer`), so OS jitter does not
+  swamp a sub-millisecond call;
 * runs an untimed ``before_each`` (e.g. a prefix-cache reset) before every timed call;
 * warms both sides up, then hands the pair to
 :func:`pytest_dflash.measure.statistics.paired_compare`
@@ -148,7 +148,7 @@ def timer_for(device: torch.device | str) -> Callable[[Callable[[], Any]], float
 
 def calls_per_sample(baseline: Callable[[], Any], device: torch.device | str,
                      min_seconds: float) -> int:
-    """How many calls of each side one round holds: 1 on CUDA or when ``min_seconds`` is 0,
+    """How many back-to-back calls one sample holds: 1 on CUDA or when ``min_seconds`` is 0,
     else enough calls of ``baseline`` (its fastest of 3 single calls) to last ``min_seconds``.
 
     Two first calls that each last ``LONG_CALL_FACTOR`` times ``min_seconds`` settle it at 1
@@ -171,28 +171,34 @@ def round_timer(candidate: Callable[[], Any], baseline: Callable[[], Any], *,
                 before_each: Callable[[], Any] | None = None) -> RoundTimer:
     """One timed round of the pair, in the order asked for: (candidate, baseline) seconds per call.
 
-    With ``calls`` > 1 (short CPU calls, :func:`calls_per_sample`) the round alternates the two
-    sides call by call, each call timed alone, the side that goes first swapping from one pair
-    of calls to the next, and each side's figure is the mean of its calls. Not k calls of one
-    side and then k of the other: a 0.3 ms verify step on two threads of two cores drifts
-    between speed states lasting milliseconds, and a block of k calls of each side catches one
-    side in a slow state; alternated calls share every state, which took the spread of the
-    per-round log ratio of identical code from 0.13 to 0.09 and of the per-process statistic
-    from 1.1% to 0.8% (benchmarks/results/cpu-round-design.json). Each call sees the other
-    side's working set in the caches, alike for both sides. ``before_each`` runs, untimed,
-    before every timed call.
+    Each side is one sample: ``calls`` calls back to back (short CPU calls,
+    :func:`calls_per_sample`; one call on CUDA), timed together, the figure their mean; the
+    side named first in ``order`` goes first. ``before_each`` runs, untimed, before each
+    sample (it forces one call a sample: each call must see its reset). Calls alternated side
+    by side within a round were measured and not kept (docs/gates.md, "What was tried and not
+    kept"): they did not narrow the spread of identical code's per-process statistic.
     """
+    if calls > 1 and before_each is not None:
+        raise ValueError(f"a before_each reset needs one call a sample, got calls={calls}")
     timer = timer_for(device)
+
+    def sample(fn: Callable[[], Any]) -> float:
+        if before_each is not None:
+            before_each()
+        if calls == 1:
+            return timer(fn)
+
+        def repeated() -> None:
+            for _ in range(calls):
+                fn()
+
+        return timer(repeated) / calls
+
     sides = {"c": candidate, "b": baseline}
 
     def run_round(order: str) -> tuple[float, float]:
-        spent = {"c": 0.0, "b": 0.0}
-        for i in range(calls):
-            for side in order if i % 2 == 0 else order[::-1]:
-                if before_each is not None:
-                    before_each()
-                spent[side] += timer(sides[side])
-        return spent["c"] / calls, spent["b"] / calls
+        spent = {side: sample(sides[side]) for side in order}
+        return spent["c"], spent["b"]
 
     return run_round
 
@@ -312,7 +318,7 @@ def pair_timers(pair: workers.TimedPair, device: torch.device,
     replay is one graph launch between events (the L2 flushed before), as a deployment runs its
     M <= 8 verification steps; the eager time of each side is measured beside it. A call that
     cannot be captured is timed eagerly and ``info["graph"]`` says why. CPU: calls shorter than
-    ``policy.cpu_sample_min_s`` are alternated within a round, the same count on both sides.
+    ``policy.cpu_sample_min_s`` are repeated within a sample, the same count on both sides.
     """
     dev = torch.device(device)
     before = pair.before_each
