@@ -62,6 +62,9 @@ def test_a_step_that_cannot_be_captured_is_timed_eagerly_and_says_so():
     before = calls["n"]
     assert all(t > 0 for t in run_round("cb"))
     assert calls["n"] == before + 2  # eager: the Python calls of both sides ran
+    # the refused capture left the device's random ops usable (the eager timing and the next
+    # job of the same worker draw from it)
+    assert torch.randn(4, device=dev).isfinite().all()
 
 
 def test_the_reference_engine_speculative_round_is_captured_and_replays_its_logits():

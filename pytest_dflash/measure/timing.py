@@ -362,8 +362,24 @@ def _capture_pair(candidate: Callable[[], Any], baseline: Callable[[], Any],
             torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - any capture failure means: time it eagerly
         torch.cuda.synchronize(device)
+        graphs.clear()
+        _clear_capturing_rng(device)
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return (graphs[0].replay, graphs[1].replay), ""
+
+
+def _clear_capturing_rng(device: torch.device) -> None:
+    """Give the device's default generator a fresh state with the same seed and offset.
+
+    torch ends a capture's bookkeeping of the generator (its capture epilogue) only after the
+    capture itself ended well; a capture refused mid-way (a host sync in the step) leaves the
+    generator marked as capturing, and every later random op on the device, in the eager
+    timing that follows or in the next gate's job of the same worker, raises "Offset increment
+    outside graph capture encountered unexpectedly". A cloned state is not marked.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    generator = torch.cuda.default_generators[index]
+    generator.graphsafe_set_state(generator.clone_state())
 
 
 def _verdict_words(result: PairedResult | ProcessResult) -> str:
