@@ -1,6 +1,7 @@
 """How a CPU round is laid out, and what it does to the spread of identical code's ratio.
 
     python benchmarks/round_design.py [--processes 12] [--widths 1 8] [--budget 0.25]
+                                      [--layouts block alternate]
                                       [--out benchmarks/results/cpu-round-design.json]
 
 The op-level validation_cost gate's verify step (qpn2_packed against qpn2: the very same native
@@ -83,6 +84,8 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=12)
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--layouts", nargs="+", default=["block", "alternate"],
+                        choices=["block", "alternate"])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", nargs=2, metavar=("M", "DESIGN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -91,7 +94,7 @@ def main() -> None:
         return
     rows = []
     for m in args.widths:
-        for design in ("block", "alternate"):
+        for design in args.layouts:
             runs = []
             for _ in range(args.processes):  # one after another: never two timing processes
                 out = subprocess.run(
@@ -100,7 +103,7 @@ def main() -> None:
                     capture_output=True, text=True, check=True, cwd=ROOT)
                 runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
             stats = np.asarray([r["statistic"] for r in runs])
-            row = [design, m, len(runs), int(np.median([r["calls"] for r in runs])),
+            row = [design, args.budget, m, len(runs), int(np.median([r["calls"] for r in runs])),
                    int(np.median([r["rounds"] for r in runs])),
                    f"{np.median([r['round_sd'] for r in runs]):.3f}",
                    f"{stats.std(ddof=1):.4f}", f"{np.exp(stats.mean()):.4f}"]
@@ -124,7 +127,7 @@ def main() -> None:
             "date": date.today().isoformat(),
             "command": "python benchmarks/round_design.py --out "
                        "benchmarks/results/cpu-round-design.json",
-            "values": {"columns": ["layout", "M", "processes", "calls per side",
+            "values": {"columns": ["layout", "budget (s)", "M", "processes", "calls per side",
                                    "rounds (median)", "per-round sd of log ratio",
                                    "sd of the per-process statistic",
                                    "geometric-mean ratio"], "rows": rows},

@@ -324,3 +324,15 @@ def test_a_call_far_longer_than_the_sample_minimum_is_sized_by_one_call():
 def test_cpu_sample_minimum_must_not_be_negative():
     with pytest.raises(PolicyError, match="cpu_sample_min_s must be >= 0"):
         Policy(cpu_sample_min_s=-1.0)
+
+
+def test_a_cpu_no_regression_gate_gets_the_longer_worker_budget_and_nothing_else_does():
+    from pytest_dflash.measure.timing import process_budget
+
+    policy = Policy(timing_process_s=0.25, cpu_validation_process_s=1.0)
+    assert process_budget("no_regression", "cpu", policy) == 1.0
+    assert process_budget("gain", "cpu", policy) == 0.25
+    assert process_budget("no_regression", "cuda", policy) == 0.25
+    assert process_budget("gain", torch.device("cuda", 0), policy) == 0.25
+    with pytest.raises(PolicyError, match="cpu_validation_process_s must be >= 0"):
+        Policy(cpu_validation_process_s=-0.5)

@@ -89,6 +89,7 @@ timing_processes = 3
 timing_max_processes = 3
 timing_min_rounds_per_process = 8
 timing_process_s = 0.0
+cpu_validation_process_s = 0.0
 """
 
 ROUTE = ["--dflash-route", "toy.spin.slow", "--dflash-device", "cpu", "-p", "no:cacheprovider"]

@@ -229,7 +229,8 @@ def speed_gate(
     pool = workers.active()
     if job is not None and pool is not None:
         result: PairedResult | ProcessResult = _across_processes(
-            pool, job, policy=policy, label=label, rule=rule)
+            pool, job, policy=policy, label=label, rule=rule,
+            budget_s=process_budget(rule, device, policy))
         extra: dict[str, Any] = {"pool_workers": pool.size}
     else:
         if not callable(candidate) or not callable(baseline):
@@ -257,8 +258,17 @@ def speed_gate(
     return result
 
 
+def process_budget(rule: str, device: torch.device | str, policy: Policy) -> float:
+    """Seconds of timed rounds each worker spends per look: ``timing_process_s``, or on the CPU
+    ``cpu_validation_process_s`` for a no_regression gate, whose identical-cost candidate must
+    be bounded within one noise floor of its true ratio."""
+    if rule == "no_regression" and torch.device(device).type == "cpu":
+        return policy.cpu_validation_process_s
+    return policy.timing_process_s
+
+
 def _across_processes(pool: workers.TimingPool, job: workers.TimingJob, *, policy: Policy,
-                      label: str, rule: str) -> ProcessResult:
+                      label: str, rule: str, budget_s: float) -> ProcessResult:
     """The pool's first workers give the first look, each later look the next ones."""
     threshold = threshold_for(rule, policy)
     seed = policy.seed + zlib.crc32(label.encode())
@@ -268,7 +278,7 @@ def _across_processes(pool: workers.TimingPool, job: workers.TimingJob, *, polic
         samples = pool.sample(job, count, rounds=rounds, warmup=policy.speed_warmup,
                               seed=seed, label=label, first=used[0],
                               max_rounds=policy.timing_max_rounds_per_process,
-                              budget_s=policy.timing_process_s)
+                              budget_s=budget_s)
         used[0] += count
         return samples
 

@@ -44,6 +44,14 @@ class Policy:
     timing_processes: int = 6
     timing_max_processes: int = 18
     timing_process_s: float = 0.25
+    # on the CPU a no_regression gate's workers (validation_cost) time this long instead: its
+    # candidate's true ratio sits at 1, one noise floor from the margin, and on two cores the
+    # spread of identical code's per-process statistic is within-process noise that a longer
+    # budget shrinks as 1/sqrt(seconds): 0.93% at 0.25 s, 0.36 to 0.40% at 1 s (verify steps,
+    # benchmarks/results/cpu-round-design.json), where 8 widths that must all pass at 0.25 s
+    # ended inconclusive in 2 to 4 of 10 runs of identical code. Never on CUDA: a graph replay
+    # already fills 0.25 s with a thousand rounds.
+    cpu_validation_process_s: float = 1.0
     timing_min_rounds_per_process: int = 2
     timing_max_rounds_per_process: int = 4096
     # an interim look stops, inconclusive, when the predictive probability that the process cap
@@ -115,6 +123,10 @@ class Policy:
                               f"order) and <= timing_max_rounds_per_process, got "
                               f"{self.timing_min_rounds_per_process} and "
                               f"{self.timing_max_rounds_per_process}; fix [tool.pytest-dflash]")
+        if not self.cpu_validation_process_s >= 0:
+            raise PolicyError(f"cpu_validation_process_s must be >= 0 seconds (0: the minimum "
+                              f"rounds), got {self.cpu_validation_process_s}; fix "
+                              f"[tool.pytest-dflash]")
         if not self.timing_process_s >= 0:
             raise PolicyError(f"timing_process_s must be >= 0 seconds (0: the minimum rounds), "
                               f"got {self.timing_process_s}; fix [tool.pytest-dflash]")
