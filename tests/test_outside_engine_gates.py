@@ -110,7 +110,7 @@ def test_outside_routes_face_every_gate_and_each_defect_is_caught(
     pytester.makepyfile(outside_routes=ROUTES)
     pytester.syspathinsert()
     # small data (two segments, two tasks) and 64-token completions keep the runtime short;
-    # a defect that never stops is still caught: natural stops 2/2 -> 0/2
+    # a defect whose completions never end on their own is still caught: 2/2 ended -> 0/2
     data = pytester.mkdir("data")
     for name in (PPL_FILE, LONG_FILE, TASKS_FILE):
         lines = (data_dir() / name).read_text().splitlines()[:2]
