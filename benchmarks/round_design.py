@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -120,7 +121,7 @@ def main() -> None:
                       "process timing rounds for a quarter second as the gate does; the "
                       "spread of the per-process statistic is what the interval across "
                       "processes is computed from."),
-            "machine": f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores",
+            "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
             "python": platform.python_version(), "torch": torch.__version__, "cuda": None,
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                      capture_output=True, text=True).stdout.strip(),
