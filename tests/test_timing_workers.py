@@ -82,9 +82,12 @@ def spec(tmp_path_factory: pytest.TempPathFactory) -> WorkerSpec:
 @pytest.fixture(scope="module")
 def pool(spec: WorkerSpec, tmp_path_factory: pytest.TempPathFactory):
     """Two workers shared by the tests that do not break them (starting one costs seconds),
-    started under the CUDA_VISIBLE_DEVICES an xdist GPU worker would have set."""
+    started under the CUDA_VISIBLE_DEVICES an xdist GPU worker would have set and an allocator
+    setting of the run's own."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        patch.setenv("MALLOC_MMAP_THRESHOLD_", "262144")
+        patch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
         shared = TimingPool(spec, size=2, timeout_s=120.0, log_dir=tmp_path_factory.mktemp("logs"))
         shared.ask({"op": "ping"}, "start")
     yield shared
@@ -108,6 +111,9 @@ def test_workers_inherit_the_gate_environment(pool):
         assert answer["cuda_visible_devices"] == ""  # as the pool's parent had it
         assert answer["threads"] == 1
         assert answer["device"] == "cpu"
+        # the allocator fixed at its steady state, the run's own setting kept
+        assert answer["allocator"] == {"MALLOC_MMAP_THRESHOLD_": "262144",
+                                       "MALLOC_TRIM_THRESHOLD_": str(1024 ** 3)}
         assert OUTSIDE in answer["routes"] and "gemm.nvfp4.qpn2" in answer["routes"]
         # the self-test's calibration routes, planted as the gate's process plants them
         planted = {

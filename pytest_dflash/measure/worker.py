@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from pytest_dflash.measure.workers import PROTOCOL_FD_ENV, TimedPair
+from pytest_dflash.measure.workers import ALLOCATOR_ENV, PROTOCOL_FD_ENV, TimedPair
 
 
 class WorkerContext:
@@ -246,6 +246,7 @@ def main() -> int:
                         "pid": os.getpid(),
                         "cwd": str(Path.cwd()),
                         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                        "allocator": {name: os.environ.get(name) for name in ALLOCATOR_ENV},
                         "threads": torch.get_num_threads(),
                         "device": str(ctx.device),
                         "routes": sorted(r.name for r in ctx.registry),

@@ -47,6 +47,18 @@ if TYPE_CHECKING:  # numpy stays off the plugin's import path
 
 PROTOCOL_FD_ENV = "DFLASH_TIMING_PROTOCOL_FD"
 START_TIMEOUT_S = 300.0
+# glibc's allocator, fixed in every worker unless the run's environment sets it. By default a
+# block above the mmap threshold (128 KiB at start) is mapped afresh on every allocation, and
+# every page of it faults in again; each free of such a block raises the threshold, so a
+# process's allocation cost falls over its first rounds and depends on what it ran before. A
+# fresh worker timing 1024-token cold prefills saw the candidate's first rounds 50% slower than
+# its later ones, and a worker that had timed other gates first did not: identical jobs gave
+# a different verdict by the worker's history (benchmarks/results/cpu-worker-malloc.json).
+# A fixed threshold at glibc's 64-bit maximum (32 MiB, which also ends the adjustment) and a
+# trim threshold that keeps freed memory mapped give every worker, from its first round, the
+# steady state a long-running server reaches. Other C libraries ignore these variables.
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024),
+                 "MALLOC_TRIM_THRESHOLD_": str(1024 * 1024 * 1024)}
 
 
 class TimingWorkerError(RuntimeError):
@@ -158,6 +170,8 @@ class _Worker:
         env = dict(os.environ)
         env[PROTOCOL_FD_ENV] = str(write_fd)
         env.setdefault("PYTHONHASHSEED", "random")
+        for name, value in ALLOCATOR_ENV.items():
+            env.setdefault(name, value)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pytest_dflash.measure.worker"],
