@@ -25,7 +25,7 @@ from pytest_dflash.measure.statistics import ProcessSample, process_compare, thr
 from pytest_dflash.session.policy import Policy
 
 
-def _results(report: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+def timing_results(report: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
     """(route, what, measurement) of every cross-process timing result in ``report``."""
     for route, entry in report.get("routes", {}).items():
         for kind, gate in entry.get("gates", {}).items():
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.reports:
         report = json.loads(path.read_text(encoding="utf-8"))
         fingerprint = fingerprint or report["fingerprint"]  # the first report's environment
-        for route, what, item in _results(report):
+        for route, what, item in timing_results(report):
             total += 1
             stop = replay(item, policy)
             if stop is not None:

@@ -1,0 +1,124 @@
+"""Replay the timing protocol's sequential design on recorded process statistics.
+
+How many processes would a main job time, and how often would each timing result pass, if the
+looks were laid out differently (first look, process cap) or the error rate split differently
+between the interim looks and the last one? Each recorded timing result's processes (pooled by
+gate over the given reports) are resampled with replacement, and the gate's own
+``process_compare`` decides on them, 200 times per design. The split is the share of the error
+rate the interim looks get (the policy's rule gives them a tenth; ``2/3`` over three looks is
+an equal split). Writes a ``pytest-dflash/benchmark/1`` file for ``benchmarks/render.py``:
+
+    python benchmarks/spending_replay.py run1.json run2.json run3.json \\
+        --out benchmarks/results/spending-replay.json --machine "..." --commit "..." \\
+        --command "..." --about "..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from futility_replay import timing_results  # this directory, as a script's, is on sys.path
+
+from pytest_dflash.measure import statistics
+from pytest_dflash.measure.statistics import ProcessSample, process_compare
+from pytest_dflash.session.policy import Policy
+
+# (first look, process cap, interim share): the policy's design first
+DESIGNS: tuple[tuple[int, int, float], ...] = (
+    (6, 18, 0.1), (6, 18, 0.3), (6, 18, 2 / 3), (8, 16, 0.1), (4, 16, 0.1), (6, 12, 0.1))
+RESAMPLES = 200
+
+
+def _split(share: float) -> Callable[[float, int, bool], float]:
+    """A look's confidence with ``share`` of the error rate spread over the interim looks."""
+    def look_confidence(confidence: float, looks: int, final: bool) -> float:
+        if looks == 1:
+            return confidence
+        alpha = 1.0 - confidence
+        return 1.0 - (alpha * share / (looks - 1) if not final else alpha * (1.0 - share))
+    return look_confidence
+
+
+def replay(stats: np.ndarray, rule: str, threshold: float, design: tuple[int, int, float],
+           policy: Policy, seed: int) -> tuple[int, str]:
+    """(processes timed, decision) of one resampled run of ``design``."""
+    first, cap, share = design
+    rng = np.random.default_rng(seed)
+
+    def sample(count: int, rounds: int) -> list[ProcessSample]:
+        del rounds  # a recorded statistic stands for the whole process
+        return [ProcessSample(worker=0, pid=0, candidate_s=[math.exp(s)], baseline_s=[1.0],
+                              orders=["cb"]) for s in rng.choice(stats, count)]
+
+    original = statistics._look_confidence
+    statistics._look_confidence = _split(share)
+    try:
+        result = process_compare(
+            sample, processes=first, max_processes=cap, rounds=policy.timing_min_rounds_per_process,
+            confidence=policy.speed_confidence, rule=rule, threshold=threshold,
+            max_rounds=policy.timing_max_rounds_per_process, futility=policy.timing_futility)
+    finally:
+        statistics._look_confidence = original
+    return len(result.processes), result.decision
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("reports", type=Path, nargs="+")
+    parser.add_argument("--out", type=Path, required=True)
+    for name in ("machine", "commit", "command", "about"):
+        parser.add_argument(f"--{name}", required=True)
+    args = parser.parse_args(argv)
+    policy = Policy()
+    pooled: dict[str, dict[str, Any]] = {}
+    fingerprint: dict[str, Any] = {}
+    for path in args.reports:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        fingerprint = fingerprint or report["fingerprint"]
+        for route, what, item in timing_results(report):
+            entry = pooled.setdefault(f"{route} {what}", {
+                "rule": item["rule"], "threshold": item["threshold"], "stats": []})
+            entry["stats"].extend(p["statistic"] for p in item["processes"])
+    rows, totals, passes = [], [0.0] * len(DESIGNS), [0] * len(DESIGNS)
+    for what, entry in sorted(pooled.items()):
+        stats = np.asarray(entry["stats"])
+        cells = []
+        for i, design in enumerate(DESIGNS):
+            runs = [replay(stats, entry["rule"], entry["threshold"], design, policy, seed)
+                    for seed in range(RESAMPLES)]
+            mean = sum(n for n, _ in runs) / RESAMPLES
+            passed = sum(d == "pass" for _, d in runs)
+            totals[i] += mean
+            passes[i] += passed
+            cells.append(f"{mean:.1f} / {passed / RESAMPLES:.1%}")
+        rows.append([what, str(stats.size), *cells])
+    runs_all = RESAMPLES * len(pooled)
+    rows.append(["all results (processes summed)", "-",
+                 *(f"{t:.1f} / {p / runs_all:.1%}" for t, p in zip(totals, passes, strict=True))])
+    columns = ["timing result", "recorded processes",
+               *(f"looks of {a} to {b}, interim share {s:.2f}: processes / pass"
+                 for a, b, s in DESIGNS)]
+    data = {
+        "schema": "pytest-dflash/benchmark/1", "kind": "measured", "topic": "timing protocol",
+        "title": f"Sequential designs replayed on {len(pooled)} recorded timing results "
+                 f"({len(args.reports)} runs, {RESAMPLES} resampled runs each)",
+        "about": args.about, "machine": args.machine,
+        "python": fingerprint["python"], "torch": fingerprint["torch"],
+        "cuda": fingerprint.get("cuda"), "commit": args.commit,
+        "date": datetime.date.today().isoformat(), "command": args.command,
+        "values": {"columns": columns, "rows": rows},
+    }
+    args.out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
