@@ -66,13 +66,33 @@ def replay(item: dict[str, Any], policy: Policy) -> tuple[int, float] | None:
     return len(result.processes), result.stopped_futile
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+def replay_arguments(doc: str, argv: list[str] | None) -> argparse.Namespace:
+    """The command line every replay script takes: reports in, one result file out."""
+    parser = argparse.ArgumentParser(description=doc.split("\n", 1)[0])
     parser.add_argument("reports", type=Path, nargs="+")
     parser.add_argument("--out", type=Path, required=True)
     for name in ("machine", "commit", "command", "about"):
         parser.add_argument(f"--{name}", required=True)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def write_replay(args: argparse.Namespace, fingerprint: dict[str, Any], *, title: str,
+                 columns: list[str], rows: list[list[str]]) -> None:
+    """A replay's table as a ``pytest-dflash/benchmark/1`` file (the first report's
+    environment, the command line's machine, commit, command and about)."""
+    data = {
+        "schema": "pytest-dflash/benchmark/1", "kind": "measured", "topic": "timing protocol",
+        "title": title, "about": args.about, "machine": args.machine,
+        "python": fingerprint["python"], "torch": fingerprint["torch"],
+        "cuda": fingerprint.get("cuda"), "commit": args.commit,
+        "date": datetime.date.today().isoformat(), "command": args.command,
+        "values": {"columns": columns, "rows": rows},
+    }
+    args.out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = replay_arguments(__doc__, argv)
     policy = Policy()
     total, rows = 0, []
     fingerprint: dict[str, Any] = {}
@@ -86,21 +106,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append([route, what, item["figure"].split(";")[0], item["decision"],
                              f"{stop[0]} of {policy.timing_max_processes}", f"{stop[1]:.3f}",
                              "yes" if item["decision"] != "inconclusive" else "no"])
-    data = {
-        "schema": "pytest-dflash/benchmark/1", "kind": "measured", "topic": "timing protocol",
-        "title": f"The futility stop replayed on {total} recorded timing results "
-                 f"({len(args.reports)} runs): {len(rows)} stopped early",
-        "about": args.about, "machine": args.machine,
-        "python": fingerprint["python"], "torch": fingerprint["torch"],
-        "cuda": fingerprint.get("cuda"), "commit": args.commit,
-        "date": datetime.date.today().isoformat(),
-        "command": args.command,
-        "values": {"columns": ["route", "timing result", "recorded", "recorded decision",
-                               "stop at processes", "chance of a decision at the cap",
-                               "decision changed"],
-                   "rows": rows},
-    }
-    args.out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    write_replay(args, fingerprint,
+                 title=f"The futility stop replayed on {total} recorded timing results "
+                       f"({len(args.reports)} runs): {len(rows)} stopped early",
+                 columns=["route", "timing result", "recorded", "recorded decision",
+                          "stop at processes", "chance of a decision at the cap",
+                          "decision changed"],
+                 rows=rows)
     return 0
 
 

@@ -15,17 +15,18 @@ an equal split). Writes a ``pytest-dflash/benchmark/1`` file for ``benchmarks/re
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import math
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from futility_replay import timing_results  # this directory, as a script's, is on sys.path
+from futility_replay import (  # this directory, as a script's, is on sys.path
+    replay_arguments,
+    timing_results,
+    write_replay,
+)
 
 from pytest_dflash.measure import statistics
 from pytest_dflash.measure.statistics import ProcessSample, process_compare
@@ -71,12 +72,7 @@ def replay(stats: np.ndarray, rule: str, threshold: float, design: tuple[int, in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("reports", type=Path, nargs="+")
-    parser.add_argument("--out", type=Path, required=True)
-    for name in ("machine", "commit", "command", "about"):
-        parser.add_argument(f"--{name}", required=True)
-    args = parser.parse_args(argv)
+    args = replay_arguments(__doc__, argv)
     policy = Policy()
     pooled: dict[str, dict[str, Any]] = {}
     fingerprint: dict[str, Any] = {}
@@ -106,17 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     columns = ["timing result", "recorded processes",
                *(f"looks of {a} to {b}, interim share {s:.2f}: processes / pass"
                  for a, b, s in DESIGNS)]
-    data = {
-        "schema": "pytest-dflash/benchmark/1", "kind": "measured", "topic": "timing protocol",
-        "title": f"Sequential designs replayed on {len(pooled)} recorded timing results "
-                 f"({len(args.reports)} runs, {RESAMPLES} resampled runs each)",
-        "about": args.about, "machine": args.machine,
-        "python": fingerprint["python"], "torch": fingerprint["torch"],
-        "cuda": fingerprint.get("cuda"), "commit": args.commit,
-        "date": datetime.date.today().isoformat(), "command": args.command,
-        "values": {"columns": columns, "rows": rows},
-    }
-    args.out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    write_replay(args, fingerprint,
+                 title=f"Sequential designs replayed on {len(pooled)} recorded timing results "
+                       f"({len(args.reports)} runs, {RESAMPLES} resampled runs each)",
+                 columns=columns, rows=rows)
     return 0
 
 
