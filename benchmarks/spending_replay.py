@@ -4,7 +4,10 @@ How many processes would a main job time, and how often would each timing result
 looks were laid out differently (first look, process cap) or the error rate split differently
 between the interim looks and the last one? Each recorded timing result's processes (pooled by
 gate over the given reports) are resampled with replacement, and the gate's own
-``process_compare`` decides on them, 200 times per design. The split is the share of the error
+``process_compare`` decides on them, 200 times per design. A process's seconds (building and
+warming the pair, and its timed rounds) times the processes the policy's design takes is what
+the gate is expected to cost, so reports measured with another round count per process
+(``timing_min_rounds_per_process``) compare that too. The split is the share of the error
 rate the interim looks get (the policy's rule gives them a tenth; ``2/3`` over three looks is
 an equal split). Writes a ``pytest-dflash/benchmark/1`` file for ``benchmarks/render.py``:
 
@@ -81,9 +84,16 @@ def main(argv: list[str] | None = None) -> int:
         fingerprint = fingerprint or report["fingerprint"]
         for route, what, item in timing_results(report):
             entry = pooled.setdefault(f"{route} {what}", {
-                "rule": item["rule"], "threshold": item["threshold"], "stats": []})
-            entry["stats"].extend(p["statistic"] for p in item["processes"])
+                "rule": item["rule"], "threshold": item["threshold"], "stats": [], "seconds": [],
+                "rounds": set()})
+            for process in item["processes"]:
+                entry["stats"].append(process["statistic"])
+                # what the process cost the gate: building and warming the pair, and its rounds
+                entry["seconds"].append(process["setup_s"] + sum(process["samples"]["candidate"])
+                                        + sum(process["samples"]["baseline"]))
+                entry["rounds"].add(process["rounds"])
     rows, totals, passes = [], [0.0] * len(DESIGNS), [0] * len(DESIGNS)
+    seconds_total = 0.0
     for what, entry in sorted(pooled.items()):
         stats = np.asarray(entry["stats"])
         cells = []
@@ -95,11 +105,18 @@ def main(argv: list[str] | None = None) -> int:
             totals[i] += mean
             passes[i] += passed
             cells.append(f"{mean:.1f} / {passed / RESAMPLES:.1%}")
-        rows.append([what, str(stats.size), *cells])
+        per_process = float(np.mean(entry["seconds"]))
+        expected = per_process * float(cells[0].split(" / ")[0])
+        seconds_total += expected
+        fewest, most = min(entry["rounds"]), max(entry["rounds"])
+        rounds = str(fewest) if fewest == most else f"{fewest} to {most}"
+        rows.append([what, str(stats.size), rounds, f"{per_process:.2f}", f"{expected:.1f}",
+                     *cells])
     runs_all = RESAMPLES * len(pooled)
-    rows.append(["all results (processes summed)", "-",
+    rows.append(["all results (summed)", "-", "-", "-", f"{seconds_total:.1f}",
                  *(f"{t:.1f} / {p / runs_all:.1%}" for t, p in zip(totals, passes, strict=True))])
-    columns = ["timing result", "recorded processes",
+    columns = ["timing result", "recorded processes", "rounds a process", "seconds a process",
+               "expected seconds (policy's design)",
                *(f"looks of {a} to {b}, interim share {s:.2f}: processes / pass"
                  for a, b, s in DESIGNS)]
     write_replay(args, fingerprint,
