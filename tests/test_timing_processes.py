@@ -20,6 +20,7 @@ from pytest_dflash.measure.statistics import (
     finding,
     paired_compare,
     process_compare,
+    process_statistic,
     sides,
     t_quantile,
     threshold_for,
@@ -262,3 +263,16 @@ def test_decision_chance_is_high_far_from_the_margin_and_low_on_it():
         decision_chance(far, final_n=6, final_confidence=0.955, rule="gain", threshold=0.99)
     with pytest.raises(PolicyError, match="timing_futility must be a probability"):
         Policy(timing_futility=1.0)
+
+
+def test_the_policys_fewest_rounds_let_one_stretched_call_not_set_a_process_statistic():
+    """A cold prefill's worker times the policy's fewest rounds; one call stretched by 40% (host
+    dispatch, a preemption) must not move that process's statistic past the 1% margin. With two
+    rounds the median is their mean, and the one call sets it."""
+    rounds = POLICY.timing_min_rounds_per_process
+    rng = np.random.default_rng(11)
+    for stretched in range(rounds):
+        ratios = np.exp(rng.normal(0.0, 0.003, rounds))
+        ratios[stretched] *= 1.4
+        assert abs(np.exp(process_statistic(ratios)) - 1.0) < 0.01
+    assert np.exp(process_statistic([1.0, 1.4])) > 1.1
