@@ -8,8 +8,9 @@ gate over the given reports) are resampled with replacement, and the gate's own
 warming the pair, and its timed rounds) times the processes the policy's design takes is what
 the gate is expected to cost, so reports measured with another round count per process
 (``timing_min_rounds_per_process``) compare that too. The split is the share of the error
-rate the interim looks get (the policy's rule gives them a tenth; ``2/3`` over three looks is
-an equal split). Writes a ``pytest-dflash/benchmark/1`` file for ``benchmarks/render.py``:
+rate the interim looks get (the gates give them a tenth, ``INTERIM_SHARE``; ``2/3`` over
+three looks is an equal split). Writes a ``pytest-dflash/benchmark/1`` file for
+``benchmarks/render.py``:
 
     python benchmarks/spending_replay.py run1.json run2.json run3.json \\
         --out benchmarks/results/spending-replay.json --machine "..." --commit "..." \\
@@ -21,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,24 +31,14 @@ from futility_replay import (  # this directory, as a script's, is on sys.path
     write_replay,
 )
 
-from pytest_dflash.measure import statistics
-from pytest_dflash.measure.statistics import ProcessSample, process_compare
+from pytest_dflash.measure.statistics import INTERIM_SHARE, ProcessSample, process_compare
 from pytest_dflash.session.policy import Policy
 
 # (first look, process cap, interim share): the policy's design first
 DESIGNS: tuple[tuple[int, int, float], ...] = (
-    (6, 18, 0.1), (6, 18, 0.3), (6, 18, 2 / 3), (8, 16, 0.1), (4, 16, 0.1), (6, 12, 0.1))
+    (6, 18, INTERIM_SHARE), (6, 18, 0.3), (6, 18, 2 / 3), (8, 16, INTERIM_SHARE),
+    (4, 16, INTERIM_SHARE), (6, 12, INTERIM_SHARE))
 RESAMPLES = 200
-
-
-def _split(share: float) -> Callable[[float, int, bool], float]:
-    """A look's confidence with ``share`` of the error rate spread over the interim looks."""
-    def look_confidence(confidence: float, looks: int, final: bool) -> float:
-        if looks == 1:
-            return confidence
-        alpha = 1.0 - confidence
-        return 1.0 - (alpha * share / (looks - 1) if not final else alpha * (1.0 - share))
-    return look_confidence
 
 
 def replay(stats: np.ndarray, rule: str, threshold: float, design: tuple[int, int, float],
@@ -62,15 +52,11 @@ def replay(stats: np.ndarray, rule: str, threshold: float, design: tuple[int, in
         return [ProcessSample(worker=0, pid=0, candidate_s=[math.exp(s)], baseline_s=[1.0],
                               orders=["cb"]) for s in rng.choice(stats, count)]
 
-    original = statistics._look_confidence
-    statistics._look_confidence = _split(share)
-    try:
-        result = process_compare(
-            sample, processes=first, max_processes=cap, rounds=policy.timing_min_rounds_per_process,
-            confidence=policy.speed_confidence, rule=rule, threshold=threshold,
-            max_rounds=policy.timing_max_rounds_per_process, futility=policy.timing_futility)
-    finally:
-        statistics._look_confidence = original
+    result = process_compare(
+        sample, processes=first, max_processes=cap, rounds=policy.timing_min_rounds_per_process,
+        confidence=policy.speed_confidence, rule=rule, threshold=threshold,
+        max_rounds=policy.timing_max_rounds_per_process, futility=policy.timing_futility,
+        interim_share=share)
     return len(result.processes), result.decision
 
 
@@ -96,17 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     seconds_total = 0.0
     for what, entry in sorted(pooled.items()):
         stats = np.asarray(entry["stats"])
-        cells = []
+        cells, means = [], []
         for i, design in enumerate(DESIGNS):
             runs = [replay(stats, entry["rule"], entry["threshold"], design, policy, seed)
                     for seed in range(RESAMPLES)]
             mean = sum(n for n, _ in runs) / RESAMPLES
             passed = sum(d == "pass" for _, d in runs)
+            means.append(mean)
             totals[i] += mean
             passes[i] += passed
             cells.append(f"{mean:.1f} / {passed / RESAMPLES:.1%}")
         per_process = float(np.mean(entry["seconds"]))
-        expected = per_process * float(cells[0].split(" / ")[0])
+        expected = per_process * means[0]  # the policy's design
         seconds_total += expected
         fewest, most = min(entry["rounds"]), max(entry["rounds"])
         rounds = str(fewest) if fewest == most else f"{fewest} to {most}"

@@ -285,18 +285,26 @@ def _planned_looks(rounds: int, max_rounds: int) -> list[int]:
     return plan
 
 
-def _look_confidence(confidence: float, looks: int, final: bool) -> float:
+# the share of the error rate the interim looks spend together (Haybittle-Peto style); what a
+# larger share would cost is replayed by benchmarks/spending_replay.py
+INTERIM_SHARE = 0.1
+
+
+def _look_confidence(confidence: float, looks: int, final: bool,
+                     interim_share: float = INTERIM_SHARE) -> float:
     """Per-look CI level so that the whole adaptive run keeps ``confidence`` (alpha spending).
 
     Every look is a chance to stop on a wrong decision, so the error rate ``1 - confidence`` is
-    split (Bonferroni, Haybittle-Peto style): the interim looks share a tenth of it and the final
-    look at the cap gets the rest. Early stops then need overwhelming evidence, and the final look
-    stays close to the nominal level, where most of the precision is.
+    split (Bonferroni, Haybittle-Peto style): the interim looks share ``interim_share`` of it (a
+    tenth) and the final look at the cap gets the rest. Early stops then need overwhelming
+    evidence, and the final look stays close to the nominal level, where most of the precision
+    is: near-margin gates that need the cap pass there (an equal split passed them less often,
+    benchmarks/results/not-kept-timing-looks.json).
     """
     if looks == 1:
         return confidence
     alpha = 1.0 - confidence
-    spent = alpha / 10 / (looks - 1) if not final else alpha * 9 / 10
+    spent = alpha * interim_share / (looks - 1) if not final else alpha * (1.0 - interim_share)
     return 1.0 - spent
 
 
@@ -701,6 +709,7 @@ def process_compare(
     threshold: float,
     max_rounds: int | None = None,
     futility: float = 0.0,
+    interim_share: float = INTERIM_SHARE,
 ) -> ProcessResult:
     """Decide ``rule`` on an interval across processes, adding processes at each look.
 
@@ -713,7 +722,8 @@ def process_compare(
     measured so far (up to max_rounds). At the cap a straddling interval is "inconclusive".
     An interim look whose chance of a decision at the cap (:func:`decision_chance`) is below
     ``futility`` stops there, inconclusive too (0: never): it can only end a gate early as
-    pending, never turn it into a pass or a fail.
+    pending, never turn it into a pass or a fail. ``interim_share`` is the error rate's share
+    the interim looks spend (:func:`_look_confidence`).
     """
     if rule not in RULES:
         raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(RULES)}")
@@ -749,7 +759,7 @@ def process_compare(
         per_look.extend(len(p.candidate_s) for p in new)
         looks.append(len(taken))
         final = len(looks) == len(plan)
-        look_conf = _look_confidence(confidence, len(plan), final)
+        look_conf = _look_confidence(confidence, len(plan), final, interim_share)
         ratio, lo, hi = across_processes([p.statistic for p in taken], look_conf)
         decision = decide(rule, threshold, lo, hi)
         if decision != "inconclusive" or final:
@@ -757,7 +767,7 @@ def process_compare(
         if futility > 0:
             chance = decision_chance(
                 [p.statistic for p in taken], final_n=plan[-1], rule=rule, threshold=threshold,
-                final_confidence=_look_confidence(confidence, len(plan), True))
+                final_confidence=_look_confidence(confidence, len(plan), True, interim_share))
             if chance < futility:
                 stopped = chance
                 break
