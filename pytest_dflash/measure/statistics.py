@@ -487,20 +487,29 @@ def _betainc(a: float, b: float, x: float) -> float:
 
 
 def process_statistic(ratios: Sequence[float] | np.ndarray) -> float:
-    """One process's statistic: the median of its per-round log ratios (candidate / baseline).
+    """One process's statistic: the interquartile mean of its per-round log ratios.
 
-    The median, not the mean: a round that a preemption or a stray cache miss stretched on one
-    side is an outlier of that round, not a property of the process, and on a GPU a few such
-    rounds per process otherwise widen the interval across processes by more than the margin
-    (on an H200, graph replays of identical code with a median of 26 us on both sides gave one
-    process a mean ratio of 1.06 from a few stretched rounds).
+    The mean of the middle half of the sorted log ratios (a quarter of the rounds trimmed from
+    each end, at least one each once there are three): with four rounds, the policy's fewest,
+    the mean of the middle two, i.e. their median. Not the mean: a round that a preemption or a
+    stray cache miss stretched on one side is an outlier of that round, not a property of the
+    process, and on a GPU a few such rounds per process widen the interval across processes
+    by more than the margin (on an H200, graph replays of identical code with a median of 26 us
+    on both sides gave one process a mean ratio of 1.06 from a few stretched rounds). Not the
+    median either: a process's rounds are mostly tight with a heavy tail (identical verify
+    steps on two CPU cores: a per-round sd of 15% in log ratio), and there the median throws
+    away most of the tight middle. Replayed on recorded workers, the interquartile mean's
+    spread across processes is about three quarters of the median's, the precision the median
+    reaches only with nearly twice the rounds (benchmarks/results/cpu-process-statistic.json).
     The statistics of different processes are still independent draws, so the t interval
     across them holds; logs make a 2% slowdown and a 2% speed-up symmetric.
     """
     data = _finite_1d(ratios, "ratios")
     if data.size < 1 or (data <= 0).any():
         raise ValueError("a process statistic needs at least one positive ratio")
-    return float(np.median(np.log(data)))
+    logs = np.sort(np.log(data))
+    trim = max(1, logs.size // 4) if logs.size >= 3 else 0
+    return float(np.mean(logs[trim: logs.size - trim]))
 
 
 def across_processes(statistics: Sequence[float], confidence: float) -> tuple[float, float, float]:

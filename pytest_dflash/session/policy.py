@@ -47,11 +47,13 @@ class Policy:
     # on the CPU a no_regression gate's workers (validation_cost) time this long instead: its
     # candidate's true ratio sits at 1, one noise floor from the margin, and on two cores the
     # spread of identical code's per-process statistic is within-process noise that a longer
-    # budget shrinks as 1/sqrt(seconds): 0.93% at 0.25 s, 0.36 to 0.40% at 1 s (verify steps,
-    # benchmarks/results/cpu-round-design.json), where 8 widths that must all pass at 0.25 s
-    # ended inconclusive in 2 to 4 of 10 runs of identical code. Never on CUDA: a graph replay
-    # already fills 0.25 s with a thousand rounds.
-    cpu_validation_process_s: float = 1.0
+    # budget shrinks as 1/sqrt(seconds): with the median of the rounds, 0.93% at 0.25 s and 0.36
+    # to 0.40% at 1 s (verify steps, benchmarks/results/cpu-round-design.json), where 8 widths
+    # that must all pass at 0.25 s ended inconclusive in 2 to 4 of 10 runs of identical code.
+    # The interquartile mean (statistics.process_statistic) reaches the median's spread at 1 s
+    # in a little over half the rounds (cpu-process-statistic.json). Never on CUDA: a graph
+    # replay already fills 0.25 s with a thousand rounds.
+    cpu_validation_process_s: float = 0.6
     # a round that outlasts the budget (a cold prefill, a long attention) gets this many: a
     # process's statistic is the median of its rounds, and with two it is their mean, so one
     # call stretched by host dispatch or a preemption (0.15 s of a 0.35 s prefill on an H200)
