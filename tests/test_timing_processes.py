@@ -22,6 +22,7 @@ from pytest_dflash.measure.statistics import (
     process_compare,
     process_statistic,
     sides,
+    statistic_variance,
     t_quantile,
     threshold_for,
     variance_components,
@@ -168,7 +169,9 @@ def test_variance_components_separate_bias_from_noise():
     rng = np.random.default_rng(11)
     samples = _simulated(rng, 1.0)(40, 200)
     parts = variance_components(samples)
-    assert parts["within"] == pytest.approx(NOISE**2, rel=0.1)  # the ratio carries one draw
+    # the ratio carries one draw; the interquartile mean sees about 1.2x a normal round's
+    # variance (its efficiency against the mean there)
+    assert NOISE**2 < parts["within"] < 1.4 * NOISE**2
     assert parts["between"] == pytest.approx(BIAS**2, rel=0.5)
     # c_process = 0.5 s, c_round ~ 2 ms: K&J say sqrt(250 * within / between) rounds
     assert parts["optimal_rounds"] == pytest.approx(
@@ -245,11 +248,17 @@ def test_futility_stops_only_hopeless_gates_and_only_as_inconclusive():
 
 
 def test_futility_never_stops_a_gate_heading_for_a_decision():
-    """Identical code on the 1% no-regression floor and a clear 5% gain, at the usual spread:
-    the cap's chance of a decision stays high, so no look stops them early."""
+    """Identical code on the 1% no-regression floor and a clear 5% gain, at the usual spread: a
+    clear gain is never stopped early, and identical code only rarely, and then only where the
+    cap would have ended inconclusive too (a process bias of 1% sd now and then draws a mean
+    near the margin that 18 processes cannot resolve)."""
+    stopped = 0
     for seed in range(30):
-        assert _decide_across(seed, 1.0).stopped_futile is None
+        if _decide_across(seed, 1.0).stopped_futile is not None:
+            stopped += 1
+            assert _decide_across(seed, 1.0, futility=0.0).decision == "inconclusive", seed
         assert _decide_across(seed, 0.95, "gain").stopped_futile is None
+    assert stopped <= 3
 
 
 def test_decision_chance_is_high_far_from_the_margin_and_low_on_it():
@@ -300,3 +309,25 @@ def test_a_process_statistic_keeps_the_tight_middle_of_heavy_tailed_rounds():
     # the fewest rounds keep what the median gives there: the middle two of four
     four = np.exp([0.01, -0.02, 0.4, 0.0])
     assert process_statistic(four) == pytest.approx(np.median(np.log(four)))
+
+
+def test_variance_components_are_those_of_the_statistic_under_heavy_tailed_rounds():
+    """5% of rounds stretched by a preemption (sd 0.5 in log ratio): the statistic trims them,
+    so the per-round variance it sees stays near the tight rounds' (the rounds' own variance
+    is 15 times that, and Kalibera & Jones' rule would ask for about four times the rounds
+    it needs), and the process bias is still found."""
+    rng = np.random.default_rng(13)
+    samples = []
+    for i in range(40):
+        bias = rng.normal(0.0, BIAS)
+        noise = rng.normal(0.0, NOISE, 200)
+        stretched = rng.random(200) < 0.05
+        noise[stretched] += rng.normal(0.0, 0.5, int(stretched.sum()))
+        base = 1e-3 * rng.lognormal(0.0, NOISE, 200)
+        samples.append(ProcessSample(worker=i, pid=i, candidate_s=(base * np.exp(bias + noise))
+                                     .tolist(), baseline_s=base.tolist(), orders=["cb"] * 200,
+                                     setup_s=0.5))
+    parts = variance_components(samples)
+    assert NOISE**2 < parts["within"] < 2 * NOISE**2
+    assert parts["between"] == pytest.approx(BIAS**2, rel=0.5)
+    assert statistic_variance(samples[0].ratios) < 2 * NOISE**2 / 200

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pytest_dflash.measure.workers import (
+    ALLOCATOR_ENV,
     TimingJob,
     TimingPool,
     TimingWorkerError,
@@ -150,6 +151,9 @@ def test_a_worker_fills_its_time_budget_with_rounds_in_balanced_order(pool):
                          budget_s=10.0)
     assert len(capped[0].candidate_s) == 6
     assert samples[0].info["warmup_rounds"] == 2  # short rounds: every warm-up round
+    # each process's record says how its allocator was set (the pool's fixture keeps ours)
+    assert samples[0].info["allocator"] == {
+        name: os.environ.get(name, value) for name, value in ALLOCATOR_ENV.items()}
 
 
 def test_a_round_longer_than_the_budget_warms_up_once(pool):

@@ -180,6 +180,8 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
             # would cost as much as the timed rounds themselves
             break
     info["warmup_rounds"] = warmed
+    # how this process's allocator was set: the report shows what each statistic was timed under
+    info["allocator"] = {name: os.environ.get(name) for name in ALLOCATOR_ENV}
     setup_s = time.perf_counter() - start
     rounds = rounds_for(round_s, minimum=int(message["rounds"]),
                         maximum=int(message.get("max_rounds", message["rounds"])),

@@ -55,12 +55,13 @@ class Policy:
     # replay already fills 0.25 s with a thousand rounds.
     cpu_validation_process_s: float = 0.6
     # a round that outlasts the budget (a cold prefill, a long attention) gets this many: a
-    # process's statistic is the median of its rounds, and with two it is their mean, so one
-    # call stretched by host dispatch or a preemption (0.15 s of a 0.35 s prefill on an H200)
-    # sets it; the median of four discards it. Replayed on recorded runs, a process's spread fell
-    # by a third to three quarters and near-margin gates passed in all resampled runs against 87.5
-    # to 98% at two, for a CPU main job about 14% longer (benchmarks/results/rounds-replay.json
-    # against spending-replay.json): a verdict that reproduces comes before cost
+    # process's statistic is the interquartile mean of its rounds, which for two is their mean,
+    # so one call stretched by host dispatch or a preemption (0.15 s of a 0.35 s prefill on an
+    # H200) sets it; for four it is the mean of the middle two, which discards that call.
+    # Replayed on recorded runs, a process's spread fell by a third to three quarters and
+    # near-margin gates passed in all resampled runs against 87.5 to 98% at two, for a CPU main
+    # job about 14% longer (benchmarks/results/rounds-replay.json against spending-replay.json):
+    # a verdict that reproduces comes before cost
     timing_min_rounds_per_process: int = 4
     timing_max_rounds_per_process: int = 4096
     # an interim look stops, inconclusive, when the predictive probability that the process cap
