@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from pytest_dflash.measure.workers import (
-    ALLOCATOR_ENV,
     TimingJob,
     TimingPool,
     TimingWorkerError,
@@ -151,9 +150,10 @@ def test_a_worker_fills_its_time_budget_with_rounds_in_balanced_order(pool):
                          budget_s=10.0)
     assert len(capped[0].candidate_s) == 6
     assert samples[0].info["warmup_rounds"] == 2  # short rounds: every warm-up round
-    # each process's record says how its allocator was set (the pool's fixture keeps ours)
-    assert samples[0].info["allocator"] == {
-        name: os.environ.get(name, value) for name, value in ALLOCATOR_ENV.items()}
+    # each process's record says how its allocator was set: the pool started under a run's
+    # own mmap threshold, which is kept, and the steady-state trim threshold
+    assert samples[0].info["allocator"] == {"MALLOC_MMAP_THRESHOLD_": "262144",
+                                            "MALLOC_TRIM_THRESHOLD_": str(1024 ** 3)}
 
 
 def test_a_round_longer_than_the_budget_warms_up_once(pool):
