@@ -229,3 +229,36 @@ def test_a_job_must_name_a_builder_and_carry_json():
         TimingJob("no_colon")
     with pytest.raises(ValueError, match="must be JSON values"):
         TimingJob("a:b", {"x": object()})
+
+
+def test_a_planted_engine_route_is_timed_in_the_workers_as_the_gate_built_it(tmp_path: Path):
+    """The self-test's planted prefill.geometry routes wrap the served engine; a worker that
+    registers them rebuilds that wrapper over its own engine, so their cold prefills are timed
+    across processes like the route they control. The baseline's code slowed by 10% must time
+    about 1.1x the baseline and book its prefills under the planted name; a worker that built
+    the planted selection bare would time about 1.0x or fail to build it."""
+    from pytest_dflash.routes import shipped
+    from pytest_dflash.selftest import engine as selftest_engine
+
+    spec = WorkerSpec(device="cpu", threads=1, profile="quick", policy=Policy().as_dict(),
+                      plugins=[shipped.__name__],
+                      selftest_candidates=["prefill.geometry.fp16_q7920"], selftest_calibrate=True)
+    pool = TimingPool(spec, size=2, timeout_s=300.0, log_dir=tmp_path)
+    try:
+        planted = "prefill.geometry.fp16_q7920~slow_10pct"
+        job = TimingJob("dflash_suites.support.engine:cold_prefill_pair",
+                        {"route": planted, "baseline": "prefill.geometry.fp32_q3296",
+                         "length": 256})
+        [sample] = pool.sample(job, 1, rounds=4, warmup=1, seed=9, label="planted engine")
+    finally:
+        pool.close()
+    assert 1.05 < sorted(sample.ratios)[len(sample.ratios) // 2] < 1.3, sample.ratios
+    assert sample.info["facts"]["candidate_route_hits"] > 0
+
+    class Inner:
+        pass
+
+    inner = Inner()
+    wrapper = selftest_engine.wrap({"prefill.geometry": "p~copy"}, {}, None, lambda s: inner)
+    assert wrapper is None  # no planted route named: the engine is not the self-test's
+    assert selftest_engine.unwrapped(inner) is inner

@@ -36,7 +36,7 @@ class WorkerContext:
         self.profile: str = spec["profile"]
         self.policy = Policy(**spec["policy"])
         self.threads = int(spec["threads"])
-        self.registry = _rebuild_registry(
+        self.registry, self.planted = _rebuild_registry(
             spec["plugins"],
             spec.get("selftest_candidates"),
             self.policy,
@@ -44,6 +44,7 @@ class WorkerContext:
         )
         self.hf_model = spec.get("hf_model")
         self._factory: Any = None
+        self._planted_engines: dict[tuple[tuple[str, str], ...], Any] = {}
 
     def engine(self, *route_names: str) -> Any:
         """The session's in-process engine (reference, or the transformers engine of the same
@@ -55,7 +56,17 @@ class WorkerContext:
             self._factory = EngineFactory(
                 self.registry, self.profile, self.device.type,
                 hf_model=Path(self.hf_model) if self.hf_model else None)
-        return self._factory.cached(self.registry.engine_selection(route_names))
+        selection = self.registry.engine_selection(route_names)
+        if self.planted:  # a self-test's planted engine route: its engine, as the gate built it
+            from pytest_dflash.selftest import engine as selftest_engine
+
+            key = tuple(sorted(selection.items()))
+            if key not in self._planted_engines:
+                self._planted_engines[key] = selftest_engine.wrap(
+                    selection, self.planted, self.policy, self._factory.cached)
+            if self._planted_engines[key] is not None:
+                return self._planted_engines[key]
+        return self._factory.cached(selection)
 
     def implementation(self, route: str) -> Any:
         """The implementation object of ``route``, as the gate's process resolves it."""
@@ -83,8 +94,9 @@ class WorkerContext:
 
 def _rebuild_registry(
     plugins: list[str], selftest: list[str] | None, policy: Any, calibrate: bool = False
-) -> Any:
-    """The run's route registry, through the same hook and plugins as the pytest run."""
+) -> tuple[Any, dict[str, Any]]:
+    """The run's route registry, through the same hook and plugins as the pytest run, and the
+    self-test's planted routes by name (registered in it too)."""
     import pluggy
 
     from pytest_dflash.routes.registry import RouteRegistry
@@ -118,13 +130,15 @@ def _rebuild_registry(
     registry = RouteRegistry()
     manager.hook.pytest_dflash_routes(registry=registry)
     registry.validate()
+    planted: dict[str, Any] = {}
     if selftest:
         from pytest_dflash.selftest import catalogue, wrappers
 
         originals = [registry.get(name) for name in selftest]
-        for planted in catalogue.plan(originals, registry, policy, calibrate=calibrate):
-            registry.register(wrappers.as_route(planted, registry, policy))
-    return registry
+        for route in catalogue.plan(originals, registry, policy, calibrate=calibrate):
+            registry.register(wrappers.as_route(route, registry, policy))
+            planted[route.name] = route
+    return registry, planted
 
 
 def _balanced_orders(rounds: int, seed: list[int]) -> list[str]:

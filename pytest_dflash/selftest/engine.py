@@ -16,6 +16,7 @@ hits under the planted route's name, and adds its defect:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from pytest_dflash.selftest.catalogue import DEGENERATE_EVERY, Planted
@@ -127,6 +128,21 @@ def build(config: Any, selection: dict[str, str], profile: str, planted: dict[st
     The served selection (planted route replaced by the route whose code serves it) is built
     through the same hook, so whatever engine the session uses is the one wrapped.
     """
+
+    def served_engine(served: dict[str, str]) -> Any:
+        return config.hook.pytest_dflash_engine(config=config, selection=served, profile=profile)
+
+    return wrap(selection, planted, policy, served_engine)
+
+
+def wrap(selection: dict[str, str], planted: dict[str, Planted], policy: Any,
+         served_engine: Callable[[dict[str, str]], Any]) -> EngineSelftest | None:
+    """The planted route's engine of ``selection`` over ``served_engine(served selection)``, or
+    None when ``selection`` names no engine-level planted route.
+
+    One function for the gate's process (through the engine hook) and a timing worker (through
+    its own engine factory), so a planted copy is the same engine wherever it is timed.
+    """
     mine = [planted[name] for name in selection.values()
             if name in planted and planted[name].original.family == "prefill.geometry"]
     if not mine:
@@ -135,7 +151,14 @@ def build(config: Any, selection: dict[str, str], profile: str, planted: dict[st
         raise ValueError(f"one engine cannot carry two planted routes: {[p.name for p in mine]}")
     served = {family: planted[name].serves.name if name in planted else name
               for family, name in selection.items()}
-    inner = config.hook.pytest_dflash_engine(config=config, selection=served, profile=profile)
+    inner = served_engine(served)
     if inner is None:
         raise RuntimeError(f"no pytest_dflash_engine implementation built an engine for {served}")
     return EngineSelftest(inner, mine[0], selection, policy)
+
+
+def unwrapped(engine: Any) -> Any:
+    """The engine a planted route's engine runs on (``engine`` itself for any other): a timing
+    worker that registers the planted routes rebuilds the planted engine when it can rebuild
+    that one."""
+    return engine.inner if isinstance(engine, EngineSelftest) else engine

@@ -122,6 +122,8 @@ def dflash_gate(request: pytest.FixtureRequest, dflash_route: Route,
     case seeds, ``record(...)`` and the baseline/candidate engines. For a route that runs
     another route's code (``Route.hit_source``) that route's hits count as its own for the
     whole test, booked outside the timed calls (``hits.attributed``)."""
+    from pytest_dflash.selftest import engine as selftest_engine
+
     bound = binding(request.node)
     kind = bound["kind"] if bound else request.node.get_closest_marker("gate").args[0]
     config = request.config
@@ -131,7 +133,7 @@ def dflash_gate(request: pytest.FixtureRequest, dflash_route: Route,
                        data_dir=settings.of(config).data,
                        servers=lambda: engine_setup.factory_of(config).servers(),
                        rebuildable=lambda engine: engine_setup.factory_of(config).rebuildable(
-                           engine))
+                           selftest_engine.unwrapped(engine)))
     if dflash_route.hit_source is None:
         yield gate
         return
