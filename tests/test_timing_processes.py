@@ -331,3 +331,5 @@ def test_variance_components_are_those_of_the_statistic_under_heavy_tailed_round
     assert NOISE**2 < parts["within"] < 2 * NOISE**2
     assert parts["between"] == pytest.approx(BIAS**2, rel=0.5)
     assert statistic_variance(samples[0].ratios) < 2 * NOISE**2 / 200
+    with pytest.raises(ValueError, match="positive ratio"):  # a negative time is no round
+        statistic_variance([1.0, 1.01, -1.0])
