@@ -21,7 +21,14 @@ from pytest_dflash import settings
 from pytest_dflash.engines import setup as engine_setup
 from pytest_dflash.measure import progress
 from pytest_dflash.routes.vocabulary import GATE_KINDS
-from pytest_dflash.session import collection, environment, fixture, hookspec, saved_runs, state
+from pytest_dflash.session import (
+    collection,
+    environment,
+    fixture,
+    hookspec,
+    saved_runs,
+    state,
+)
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -61,6 +68,29 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Bind gate tests to route and kind; keep only what ``--dflash-gate`` selects."""
     collection.modify_items(config, items)
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--dflash-shard K/N``: keep this shard's share, after every other selection (``-m``,
+    ``-k``, ``--dflash-gate``) has been made; an xdist worker hands the plan to the controller.
+
+    A second implementation of ``pytest_collection_modifyitems`` (``specname``), run last: the
+    one above must run first, since ``-m KIND`` selects by the markers it adds."""
+    record = collection.select_shard(config, items)
+    if record is not None:
+        state.state_of(config).shard = record
+        if hasattr(config, "workeroutput"):
+            config.workeroutput["dflash_shard"] = record
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist controller: the shard plan, as a worker computed it, for the report."""
+    record = getattr(node, "workeroutput", {}).get("dflash_shard")
+    held = state.state_of(node.config)
+    if record is not None and held.shard is None:
+        held.shard = record
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

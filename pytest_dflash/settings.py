@@ -39,6 +39,8 @@ class Settings:
     report: Path = Path(DEFAULT_REPORT)
     progress_log: str | None = None  # as given: relative to the rootdir
     merge: bool = False
+    shard: str | None = None  # "K/N" as given (checked by session.shard.parse)
+    shard_costs: str | None = None  # a report file or kept run whose durations balance shards
     strict: bool = False
     selftest: bool = False
     selftest_calibrate: bool = False  # only the timing gates' copy and 1/2/5/10% slowdowns
@@ -82,6 +84,14 @@ def add_options(parser: pytest.Parser) -> None:
                          "too; DIR is created if missing")
     group.addoption("--dflash-merge", action="store_true", default=None,
                     help="merge this run's results into the existing report (same evidence only)")
+    group.addoption("--dflash-shard", default=None, metavar="K/N",
+                    help="run only the K-th of N shares of the selected gates (one share per "
+                         "host; every test of a timing gate in one share); join the shards' "
+                         "reports with `pytest-dflash merge` (docs/multi-gpu.md)")
+    group.addoption("--dflash-shard-costs", default=None, metavar="REF",
+                    help="balance --dflash-shard by the test durations of this report file or "
+                         "kept run (number or save name; default: the newest kept run, else "
+                         "by count). Give every shard the same REF")
     group.addoption("--dflash-strict", action="store_true", default=None,
                     help="fail the run if a selected candidate is left pending, or a gate's "
                          "self-test missed a planted defect (CI gate jobs)")
@@ -166,6 +176,14 @@ def resolve(config: pytest.Config) -> Settings:
     if profile is not None and profile not in PROFILES:
         raise pytest.UsageError(f"dflash_profile = {profile!r}; use {', '.join(PROFILES)}")
     sidecar = _sidecar(config.getoption("dflash_sidecar", None))
+    shard = config.getoption("dflash_shard", None)
+    if shard is not None:
+        from pytest_dflash.session.shard import ShardError, parse
+
+        try:
+            parse(shard)
+        except ShardError as exc:
+            raise pytest.UsageError(str(exc)) from None
     return Settings(
         device=device, profile=profile,
         routes=tuple(config.getoption("dflash_route", None) or ()),
@@ -173,7 +191,9 @@ def resolve(config: pytest.Config) -> Settings:
         sidecar=sidecar,
         report=_under(config.rootpath, pick("report") or DEFAULT_REPORT),
         progress_log=config.getoption("dflash_progress_log", None) or None,
-        merge=bool(pick("merge")), strict=bool(pick("strict")), selftest=bool(pick("selftest")),
+        merge=bool(pick("merge")),
+        shard=shard, shard_costs=config.getoption("dflash_shard_costs", None) or None,
+        strict=bool(pick("strict")), selftest=bool(pick("selftest")),
         selftest_calibrate=bool(config.getoption("dflash_selftest_calibrate", False)),
         allow_unjailed=bool(config.getoption("dflash_allow_unjailed", False))
         or os.environ.get(ALLOW_UNJAILED_ENV) == "1",

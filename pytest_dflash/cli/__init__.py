@@ -1,4 +1,4 @@
-"""``pytest-dflash``: read evidence reports outside pytest.
+"""``pytest-dflash``: read, join and render evidence reports outside pytest.
 
 Exit status: 0 success (for ``verdict``: every candidate accepted), 1 a candidate is not
 accepted, 2 a usage error, an unreadable, malformed or corrupt report, a report of other code
@@ -80,6 +80,22 @@ def _plot(args: argparse.Namespace) -> int:
     if not written:
         print("no gate in this report recorded samples, cases or per-task outcomes to plot",
               file=sys.stderr)
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    """Join shard reports into OUT (refusals and bad inputs: ReportError, exit 2)."""
+    from pytest_dflash.evidence.merge import merge_files
+    from pytest_dflash.evidence.summary import counts
+
+    merged = merge_files(Path(args.out), [Path(p) for p in args.reports])
+    tally = counts(merged)
+    missing = merged["shards"]["missing"]
+    count = merged["shards"]["count"]
+    print(f"{args.out}: {len(args.reports)} reports merged; accept {tally['accept']}, reject "
+          f"{tally['reject']}, pending {tally['pending']}"
+          + (f"; missing shards: {', '.join(f'{k}/{count}' for k in missing)}" if missing
+             else ""))
     return 0
 
 
@@ -195,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("report")
     plot.add_argument("-o", "--output", default="dflash-plots", help="output folder")
     plot.set_defaults(run=_plot)
+    merge = sub.add_parser("merge", help="join the reports of a job's shards (run with "
+                           "--dflash-shard K/N, e.g. on several hosts) into one report OUT; "
+                           "refused (exit 2) for other code, mixed card models in one gate, or "
+                           "a test with two outcomes")
+    merge.add_argument("out", help="the merged report to write")
+    merge.add_argument("reports", nargs="+", metavar="REPORT", help="shard reports")
+    merge.set_defaults(run=_merge)
     hist = sub.add_parser("history", help="list the runs kept by pytest --dflash-save")
     hist.add_argument("--root", default=".", help="folder holding .dflash/ (default: here)")
     hist.set_defaults(run=_history)

@@ -28,6 +28,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from pytest_dflash.evidence import timings
 from pytest_dflash.evidence.verdict import gate_figure, gate_status
 from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS as TIMING_KINDS
 
@@ -43,22 +44,21 @@ def min_rounds(confidence: float) -> int:
 
 
 def _timings(measurements: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
-    """Every paired-timing record in a test's measurements (top level and per verify width)."""
-    if {"ci_low", "ci_high", "threshold", "rule", "rounds"} <= set(measurements):
-        yield measurements
-    for value in measurements.values():
-        if isinstance(value, Mapping):
-            for inner in value.values():
-                if isinstance(inner, Mapping) and "ci_low" in inner and "rule" in inner:
-                    yield inner
+    """Every timing comparison in a test's measurements (top level and per verify width)."""
+    for _, series in timings.comparisons(measurements):
+        yield series
 
 
 def resolved(timing: Mapping[str, Any]) -> bool:
-    """A rejection the CI established (not the fail-closed default at the round cap)."""
+    """A rejection the interval established (not the fail-closed default at the cap).
+
+    The count that must reach :func:`min_rounds` is of the interval's independent units: the
+    worker processes it was computed across, or the rounds when timed in one process.
+    """
     lo, threshold = timing.get("ci_low"), timing.get("threshold")
     if not isinstance(lo, (int, float)) or not isinstance(threshold, (int, float)):
         return False
-    if int(timing.get("rounds", 0)) < min_rounds(timing.get("confidence", 0.95)):
+    if timings.units(timing) < min_rounds(timing.get("confidence", 0.95)):
         return False
     return lo >= threshold if timing.get("rule") == "gain" else lo > threshold
 

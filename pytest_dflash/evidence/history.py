@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pytest_dflash.evidence import files
+from pytest_dflash.evidence import files, timings
 from pytest_dflash.evidence import report as reports
 
 HISTORY_DIR = ".dflash"
@@ -213,20 +213,29 @@ def _tests(gate: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {t["nodeid"]: t for t in gate.get("tests", [])}
 
 
-def _shifted(before: dict[str, Any], after: dict[str, Any]) -> str | None:
-    """A timing test whose new CI does not overlap the old one: a real shift, named."""
-    a, b = before.get("measurements", {}), after.get("measurements", {})
-    keys = ("ratio_median", "ci_low", "ci_high")
-    if not all(isinstance(m.get(k), (int, float)) for m in (a, b) for k in keys):
-        return None
-    if b["ci_low"] > a["ci_high"]:
-        direction = "slower"
-    elif b["ci_high"] < a["ci_low"]:
-        direction = "faster"
-    else:
-        return None
-    return (f"ratio {a['ratio_median']:.3f} [{a['ci_low']:.3f}, {a['ci_high']:.3f}] -> "
-            f"{b['ratio_median']:.3f} [{b['ci_low']:.3f}, {b['ci_high']:.3f}] ({direction})")
+def _shifted(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """Every timing comparison of a test whose new interval does not overlap the old one: a
+    real shift, named (per verify width for a validation_cost test), in either protocol."""
+    old = dict(timings.comparisons(before.get("measurements", {})))
+    shifts = []
+    for label, b in timings.comparisons(after.get("measurements", {})):
+        a = old.get(label)
+        if a is None:
+            continue
+        keys = ("ratio_median", "ci_low", "ci_high")
+        if not all(isinstance(m.get(k), (int, float)) for m in (a, b) for k in keys):
+            continue
+        if b["ci_low"] > a["ci_high"]:
+            direction = "slower"
+        elif b["ci_high"] < a["ci_low"]:
+            direction = "faster"
+        else:
+            continue
+        where = "" if len(old) == 1 else f"{label}: "
+        shifts.append(f"{where}ratio {a['ratio_median']:.3f} [{a['ci_low']:.3f}, "
+                      f"{a['ci_high']:.3f}] -> {b['ratio_median']:.3f} [{b['ci_low']:.3f}, "
+                      f"{b['ci_high']:.3f}] ({direction})")
+    return shifts
 
 
 def compare(old: dict[str, Any], new: dict[str, Any]) -> Comparison:
@@ -262,8 +271,7 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> Comparison:
                 result.changes.append(line)
             tests_a, tests_b = _tests(gate_a), _tests(gate_b)
             for nodeid in sorted(set(tests_a) & set(tests_b)):
-                shift = _shifted(tests_a[nodeid], tests_b[nodeid])
-                if shift:
+                for shift in _shifted(tests_a[nodeid], tests_b[nodeid]):
                     result.changes.append(f"  {nodeid}: {shift}")
     fp_a, fp_b = old.get("fingerprint", {}), new.get("fingerprint", {})
     changed = sorted(k for k in set(fp_a) | set(fp_b) if fp_a.get(k) != fp_b.get(k))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pytest_dflash.evidence import timings
+
 PREFIX = "dflash"
 
 
@@ -20,34 +22,35 @@ def _number(value: Any) -> str | None:
     return f"{value:.6g}"
 
 
-def _ci(measurements: dict[str, Any]) -> tuple[str | None, str | None]:
-    """The CI of a timing test; for a test with several comparisons (validation_cost per M),
-    the one with the highest upper bound: the one closest to failing."""
-    from pytest_dflash.evidence.plot import timing_series
-
-    if _number(measurements.get("ci_high")) is not None:
-        return _number(measurements.get("ci_low")), _number(measurements["ci_high"])
-    series = [s for _, s in timing_series(measurements) if _number(s.get("ci_high"))]
-    if not series:
-        return None, None
-    worst = max(series, key=lambda s: s["ci_high"])
-    return _number(worst.get("ci_low")), _number(worst["ci_high"])
+def _ci(measurements: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
+    """(low, high, units) of a timing test's interval; for a test with several comparisons
+    (validation_cost per M), the one with the highest upper bound: the one closest to failing.
+    ``units`` is how many processes (or rounds, timed in one process) it rests on."""
+    worst = timings.worst(measurements)
+    if worst is None:
+        return None, None, None
+    low, high = timings.interval(worst) or (None, None)
+    counted = timings.units(worst) if timings.protocol(worst) else None
+    return _number(low), _number(high), None if counted is None else str(counted)
 
 
 def properties(binding: dict[str, Any]) -> list[tuple[str, str]]:
     """``dflash_route``, ``dflash_kind``, and when recorded ``dflash_figure``,
-    ``dflash_decision``, ``dflash_ci_low``, ``dflash_ci_high`` for one gate test."""
+    ``dflash_decision``, ``dflash_ci_low``, ``dflash_ci_high`` and ``dflash_ci_units`` (the
+    processes, or rounds, the interval rests on) for one gate test."""
     measurements = binding.get("measurements") or {}
     props = [(f"{PREFIX}_route", str(binding["route"])), (f"{PREFIX}_kind", str(binding["kind"]))]
     if measurements.get("figure"):
         props.append((f"{PREFIX}_figure", str(measurements["figure"])))
     if measurements.get("decision"):  # timing tests: pass / fail / inconclusive
         props.append((f"{PREFIX}_decision", str(measurements["decision"])))
-    low, high = _ci(measurements)
+    low, high, units = _ci(measurements)
     if low is not None:
         props.append((f"{PREFIX}_ci_low", low))
     if high is not None:
         props.append((f"{PREFIX}_ci_high", high))
+    if units is not None:
+        props.append((f"{PREFIX}_ci_units", units))
     return props
 
 

@@ -8,8 +8,11 @@ its bound; a quality verdict, which tasks flipped between baseline and candidate
 One PNG and one SVG per picture:
 
 * speed and validation_cost: for each test, one panel per timed comparison (a validation_cost
-  test has one per verify width): the per-round ratio candidate/baseline, the median, its CI
-  band and the threshold;
+  test has one per verify width): the interval band, the ratio and the threshold. Timed in
+  worker processes (the usual case), each process's ratio (its statistic, the unit the interval
+  is computed across) is a diamond and its rounds a strip beside it, with a line after each
+  look, so a process that stood apart shows at once; timed in the test's own process, each
+  round's ratio in order;
 * parity: for each route, every case of every parity test as error / bound (max abs error
   against the bound, relative L2 against its limit), 1 being the bound;
 * quality: for each test, the per-task outcome grid, baseline row over candidate row.
@@ -22,11 +25,15 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pytest_dflash.evidence import timings
+
 PASS_COLOR, FAIL_COLOR, NEUTRAL_COLOR = "#2e7d32", "#c62828", "#616161"
+# a process's ratio (or a round's, timed in the test's process) and the rounds of a process
+ROUND_COLOR, STRIP_COLOR = "#1565c0", "#64b5f6"
 MAX_TASKS_PER_ROW = 50
 
 
@@ -48,32 +55,6 @@ def _slug(*parts: str) -> str:
     return "__".join(re.sub(r"[^A-Za-z0-9.=-]+", "_", p).strip("_")[:80] for p in parts)
 
 
-def timing_series(measurements: dict[str, Any], prefix: str = "",
-                  ) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Every paired timing comparison recorded in a test's measurements, with a label.
-
-    A comparison is a mapping holding raw ``samples`` (candidate and baseline lists) and a
-    ``threshold``; it may sit at the top (speed tests) or nested (validation_cost: one per M).
-    """
-    samples = measurements.get("samples")
-    if (isinstance(samples, dict) and isinstance(samples.get("candidate"), list)
-            and isinstance(samples.get("baseline"), list)
-            and isinstance(measurements.get("threshold"), (int, float))):
-        width = re.fullmatch(r"per_m m(\d+)", prefix)
-        label = f"verify M={width.group(1)}" if width else prefix
-        tokens = measurements.get("prompt_tokens")
-        yield (label or measurements.get("shape")
-               or (f"prompt of {tokens} tokens" if tokens else "timing")), measurements
-    for key, value in measurements.items():
-        if isinstance(value, dict) and key != "samples":
-            yield from timing_series(value, f"{prefix} {key}".strip())
-
-
-def _ratios(series: dict[str, Any]) -> list[float]:
-    cand, base = series["samples"]["candidate"], series["samples"]["baseline"]
-    return [c / b for c, b in zip(cand, base, strict=False) if b]
-
-
 def _test_name(nodeid: str) -> str:
     return nodeid.rpartition("::")[2] or nodeid
 
@@ -92,43 +73,113 @@ def _save(fig: Any, out: Path, stem: str) -> list[Path]:
     return paths
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _limits(values: list[float], rounds: list[float]) -> tuple[float, float]:
+    """A y range that shows every decision line and process ratio and the bulk of the rounds:
+    a preempted round at 3x the others would otherwise squash the interval to a line."""
+    import numpy as np
+
+    shown = list(values)
+    if rounds:
+        shown += [float(np.quantile(rounds, 0.02)), float(np.quantile(rounds, 0.98))]
+    low, high = min(shown), max(shown)
+    pad = max(high - low, 1e-3) * 0.08
+    return low - pad, high + pad
+
+
+def _decision_lines(ax: Any, s: Mapping[str, Any]) -> tuple[bool, str]:
+    """Interval band, ratio, threshold and the 1.0 line of one comparison; (passed, op)."""
+    lo, hi, med = s.get("ci_low"), s.get("ci_high"), s.get("ratio_median")
+    if _number(lo) and _number(hi):
+        ax.axhspan(lo, hi, color="#ffb300", alpha=0.35, zorder=1,
+                   label=f"interval [{lo:.3f}, {hi:.3f}]")
+    if _number(med):
+        name = "ratio" if timings.protocol(s) == timings.PROCESS else "median"
+        ax.axhline(med, color="#e65100", lw=1.5, zorder=4, label=f"{name} {med:.3f}")
+    threshold = s["threshold"]
+    op = "<" if s.get("rule", "gain") == "gain" else "<="
+    ax.axhline(threshold, color=FAIL_COLOR, lw=1.2, ls="--", zorder=4,
+               label=f"threshold: upper {op} {threshold:.3f}")
+    ax.axhline(1.0, color=NEUTRAL_COLOR, lw=0.8, ls=":", zorder=2)
+    ok = s.get("passed")
+    if ok is None and _number(hi):
+        ok = hi < threshold if op == "<" else hi <= threshold
+    return bool(ok), op
+
+
+def _draw_rounds(ax: Any, s: Mapping[str, Any]) -> None:
+    """Round protocol (timed in the test's own process): each round's ratio in order."""
+    ratios = timings.ratios(s["samples"])
+    rounds = range(1, len(ratios) + 1)
+    size = 18 if len(ratios) <= 100 else 4
+    ax.scatter(rounds, ratios, s=size, color=ROUND_COLOR, alpha=0.7, linewidths=0,
+               label="round ratio", zorder=3)
+    ax.set_xlabel("round", fontsize=8)
+
+
+def _draw_processes(ax: Any, s: Mapping[str, Any]) -> None:
+    """Process protocol: each worker's rounds as a strip at its x, its statistic (the ratio the
+    interval is computed from) as a diamond, and a line after each look's processes."""
+    import numpy as np
+
+    procs = timings.processes(s)
+    stats = [p["ratio"] for p in procs if p["ratio"] is not None]
+    every = [r for p in procs for r in p["rounds"]]
+    lines = [v for v in (s.get("ci_low"), s.get("ci_high"), s.get("ratio_median"),
+                         s["threshold"], 1.0) if _number(v)]
+    low, high = _limits(stats + lines, every)
+    for i, proc in enumerate(procs):
+        rounds = np.asarray(proc["rounds"], dtype=float)
+        if rounds.size == 0:
+            continue
+        xs = proc["index"] + np.linspace(-0.28, 0.28, rounds.size)
+        inside = (rounds >= low) & (rounds <= high)
+        ax.scatter(xs[inside], rounds[inside], s=7, color=STRIP_COLOR, alpha=0.8,
+                   linewidths=0, zorder=2, label="rounds of a process" if i == 0 else None)
+        outside = ~inside
+        if outside.any():  # kept in view at the edge, as triangles pointing off the axis
+            ax.scatter(xs[outside], np.clip(rounds[outside], low, high), s=16,
+                       marker="^" if rounds[outside].max() > high else "v",
+                       color=STRIP_COLOR, zorder=2)
+    xs = [p["index"] for p in procs if p["ratio"] is not None]
+    ax.scatter(xs, stats, s=46, marker="D", color=ROUND_COLOR, edgecolors="white",
+               linewidths=0.6, zorder=5, label="process ratio (its statistic)")
+    looks = [n for n in s.get("looks") or [] if isinstance(n, int)]
+    for k, n in enumerate(looks[:-1], start=1):
+        ax.axvline(n + 0.5, color=NEUTRAL_COLOR, lw=0.9, ls="-.", zorder=1,
+                   label="look" if k == 1 else None)
+        ax.text(n + 0.5, high, f" look {k}", fontsize=6.5, va="top", color=NEUTRAL_COLOR)
+    ax.set_ylim(low, high)
+    ax.set_xticks(range(1, len(procs) + 1))
+    ax.set_xlabel(f"worker process ({len(procs)}; looks at {', '.join(map(str, looks))})",
+                  fontsize=8)
+
+
 def plot_timing(route: str, kind: str, test: dict[str, Any], out: Path) -> list[Path]:
-    """Per-round paired ratios with median, CI band and threshold, one panel per comparison."""
-    series = [(label, s) for label, s in timing_series(test.get("measurements", {}))
-              if len(_ratios(s)) >= 1]
+    """One panel per timed comparison (a validation_cost test has one per verify width): the
+    interval, the ratio and the threshold over what was timed, per process or per round."""
+    series = list(timings.comparisons(test.get("measurements", {})))
     if not series:
         return []
     Figure = _matplotlib()
-    cols = min(len(series), 4 if len(series) > 4 else len(series))
+    cols = min(len(series), 4)
     rows = math.ceil(len(series) / cols)
     fig = Figure(figsize=(max(4.2 * cols, 6.4), 3.0 * rows + 0.6), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat[len(series):]:
         ax.set_visible(False)
     for ax, (label, s) in zip(axes.flat, series, strict=False):
-        ratios = _ratios(s)
-        rounds = range(1, len(ratios) + 1)
-        size = 18 if len(ratios) <= 100 else 4
-        ax.scatter(rounds, ratios, s=size, color="#1565c0", alpha=0.7, linewidths=0,
-                   label="round ratio", zorder=3)
-        lo, hi, med = s.get("ci_low"), s.get("ci_high"), s.get("ratio_median")
-        if isinstance(lo, (int, float)) and isinstance(hi, (int, float)):
-            ax.axhspan(lo, hi, color="#ffb300", alpha=0.35, zorder=1,
-                       label=f"CI [{lo:.3f}, {hi:.3f}]")
-        if isinstance(med, (int, float)):
-            ax.axhline(med, color="#e65100", lw=1.5, zorder=4, label=f"median {med:.3f}")
-        threshold = s["threshold"]
-        op = "<" if s.get("rule", "gain") == "gain" else "<="
-        ax.axhline(threshold, color=FAIL_COLOR, lw=1.2, ls="--", zorder=4,
-                   label=f"threshold: CI upper {op} {threshold:.3f}")
-        ax.axhline(1.0, color=NEUTRAL_COLOR, lw=0.8, ls=":", zorder=2)
-        decided = s.get("outcome") or ""
-        ok = s.get("passed")
-        if ok is None and isinstance(hi, (int, float)):
-            ok = hi < threshold if op == "<" else hi <= threshold
-        ax.set_title(f"{label}\n{decided} ({'pass' if ok else 'FAIL'})", fontsize=9,
+        if timings.protocol(s) == timings.PROCESS:
+            _draw_processes(ax, s)
+        else:
+            _draw_rounds(ax, s)
+        ok, _ = _decision_lines(ax, s)
+        decided = s.get("decision") or s.get("outcome") or ""
+        ax.set_title(f"{label}\n{decided} ({'pass' if ok else 'not passed'})", fontsize=9,
                      color=PASS_COLOR if ok else FAIL_COLOR)
-        ax.set_xlabel("round", fontsize=8)
         ax.set_ylabel("candidate / baseline time", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.legend(fontsize=6.5, loc="best", framealpha=0.85)

@@ -21,6 +21,8 @@ INCONCLUSIVE = "inconclusive"
 # a test whose call phase never reported: the session stopped while it ran
 INTERRUPTED = "interrupted"
 INTERRUPTED_MESSAGE = "did not finish: the session stopped while it ran"
+# a test of a shard plan whose shard's report never reached the merge (evidence.merge)
+MISSING = "missing"
 ACCEPT, REJECT = "accept", "reject"
 FAILING_OUTCOMES = frozenset({"failed", "error"})
 
@@ -105,6 +107,7 @@ def route_verdict(
                 verdict = PENDING
             skipped = [t for t in gate["tests"] if t["outcome"] == "skipped"]
             stopped = [t for t in gate["tests"] if t["outcome"] == INTERRUPTED]
+            missing = [t for t in gate["tests"] if t["outcome"] == MISSING]
             undecided = [t for t in gate["tests"] if t["outcome"] == INCONCLUSIVE]
             if undecided:
                 reasons.append(f"{kind} pending: inconclusive timing "
@@ -113,6 +116,11 @@ def route_verdict(
                 reasons.append(f"{kind} pending: skipped ({skipped[0].get('message', '')})")
             elif stopped:
                 reasons.append(f"{kind} pending: {stopped[0]['nodeid']} {INTERRUPTED_MESSAGE}")
+            elif missing:
+                shards = sorted({str(t.get("message", "")).partition(" never")[0]
+                                 for t in missing})
+                reasons.append(f"{kind} pending: {', '.join(shards)} never arrived "
+                               f"({len(missing)} of its tests, e.g. {missing[0]['nodeid']})")
             else:
                 reasons.append(f"{kind} pending: did not run in this evidence")
     return verdict, reasons

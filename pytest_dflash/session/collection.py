@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from pytest_dflash import settings
 from pytest_dflash.routes.vocabulary import (
     EXCLUSIVE_KINDS,
     GATE_KINDS,
@@ -22,6 +23,7 @@ from pytest_dflash.routes.vocabulary import (
     check_kind,
 )
 from pytest_dflash.session import saved_runs as reporting
+from pytest_dflash.session import shard
 from pytest_dflash.session.environment import device_info, profile_of
 from pytest_dflash.session.profiles import per_size_values
 from pytest_dflash.session.state import bind, binding, state_of
@@ -127,3 +129,27 @@ def sm70_missing(config: pytest.Config) -> str | None:
     if info.get("capability") != "7.0":
         return f"{info['name']} has capability {info.get('capability')}, not 7.0"
     return None
+
+
+def select_shard(config: pytest.Config, items: list[pytest.Item]) -> dict[str, Any] | None:
+    """Keep this shard's share of ``items`` (after every other selection), deselect the rest;
+    the plan's record, or None without ``--dflash-shard``."""
+    asked = settings.of(config)
+    if asked.shard is None:
+        return None
+    spec = shard.parse(asked.shard)
+    try:
+        costs, source = shard.load_costs(asked.shard_costs, config.rootpath)
+    except shard.ShardError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    tests = []
+    for item in items:
+        bound = binding(item) or {}
+        tests.append((item.nodeid, bound.get("route"), bound.get("kind")))
+    where = shard.plan(tests, costs, spec.count)
+    keep = [item for item in items if where[item.nodeid] == spec.index]
+    drop = [item for item in items if where[item.nodeid] != spec.index]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+    return shard.record(spec, tests, where, source)

@@ -31,6 +31,7 @@ from pytest_dflash.session.environment import (
     torch_device,
 )
 from pytest_dflash.session.policy import Policy, PolicyError, load_policy
+from pytest_dflash.session.shard import empty_note
 from pytest_dflash.xdist import gpus
 
 STATE = pytest.StashKey["DflashState"]()
@@ -48,6 +49,7 @@ class DflashState:
         self.selected_gates: set[tuple[str, str]] = set()
         self.timing_pool: workers.TimingPool | None = None
         self.planted: dict[str, dict[str, Any]] = {}  # route -> its report field ``planted``
+        self.shard: dict[str, Any] | None = None  # --dflash-shard: the report field ``shard``
 
     def candidates(self) -> list[Route]:
         """The candidates this run gates: all registered, narrowed by the selection options."""
@@ -183,6 +185,7 @@ class EvidenceCollector:
         self.report: dict[str, Any] | None = None
         self.report_path = settings.of(config).report
         self.problems: list[str] = []
+        self.notes: list[str] = []  # said at the end, not problems (an empty shard)
         self.history: saved_runs.Comparison | None = None
 
     @pytest.hookimpl(tryfirst=True)  # before junitxml reads the flattened properties
@@ -230,7 +233,7 @@ class EvidenceCollector:
         config = self.config
         asked = settings.of(config)
         involved = (self.tests or self.state.selected_gates or self.state.selected_routes
-                    or asked.strict
+                    or asked.strict or asked.shard
                     or any(item.get_closest_marker("gate") for item in session.items))
         if not involved:
             return  # an unrelated test run: no report, no torch import
@@ -247,6 +250,12 @@ class EvidenceCollector:
             "strict": asked.strict,
             "allow_unjailed": asked.allow_unjailed,
         }
+        if self.state.shard is not None:
+            evidence["shard"] = self.state.shard
+            if not self.state.shard["assigned"] and int(exitstatus) in (
+                    pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+                self.notes.append(empty_note(self.state.shard))
+                session.exitstatus = pytest.ExitCode.OK
         if asked.merge and self.report_path.exists():
             try:
                 evidence = reports.merge(reports.load(self.report_path), evidence)
@@ -280,7 +289,7 @@ class EvidenceCollector:
     @pytest.hookimpl(trylast=True)  # after other plugins' tables: the run ends with verdicts
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """The verdict table, the report path and any problem, as the last lines of the run."""
-        if self.report is None and not self.problems:
+        if self.report is None and not self.problems and not self.notes:
             return
         tr = terminalreporter
         tr.write_sep("=", f"dflash verdicts (profile {resolved_profile(self.config) or '?'})")
@@ -296,6 +305,8 @@ class EvidenceCollector:
         if self.history is not None:
             for line, markup in saved_runs.summary_lines(self.history, self.config.rootpath):
                 tr.write_line(line, **markup)
+        for note in self.notes:
+            tr.write_line(f"dflash: {note}", bold=True)
         for problem in self.problems:
             tr.write_line(f"dflash: {problem}", red=True, bold=True)
 
