@@ -15,22 +15,6 @@ SLOW = Route("toy.add.slow", "toy.add", "candidate", baseline="toy.add.base",
              gates=("parity",), switch="TOY_SLOW")
 
 
-def timing(ratios: list[float], *, threshold: float = 0.99, rule: str = "gain",
-           passed: bool | None = None) -> dict[str, Any]:
-    """Measurements shaped like ``timing.speed_gate`` records them, from per-round ratios."""
-    import numpy as np
-
-    base = [1e-3 * (1 + 0.01 * (i % 3)) for i in range(len(ratios))]
-    cand = [r * b for r, b in zip(ratios, base, strict=True)]
-    med = float(np.median(ratios))
-    lo, hi = float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))
-    ok = (hi < threshold) if passed is None else passed
-    return {"figure": f"ratio {med:.3f} [{lo:.3f}, {hi:.3f}] over {len(ratios)} rounds",
-            "ratio_median": med, "ci_low": lo, "ci_high": hi, "rounds": len(ratios),
-            "outcome": "faster" if ok else "neutral", "rule": rule, "threshold": threshold,
-            "samples": {"candidate": cand, "baseline": base}}
-
-
 def fingerprint(head: str = "abc") -> dict[str, Any]:
     """A schema-valid fingerprint whose git head starts with ``head`` (hex digits)."""
     return {"git_head": head.ljust(40, "0"), "git_dirty_sha256": None,

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from reportmaker import make, timing
+from reportmaker import make
 
 from pytest_dflash.evidence import history, summary
 from pytest_dflash.evidence import report as reports
@@ -114,17 +114,34 @@ def test_compare_says_when_it_is_not_like_for_like(tmp_path: Path) -> None:
                                  "profile ci -> full; policy speed_min_gain 0.01 -> 0.02")
 
 
-def test_compare_names_timing_shifts_beyond_the_old_ci(tmp_path: Path) -> None:
-    before = reports.load(make(tmp_path / "a.json",
-                               speed_measurements=timing([0.80, 0.82, 0.84, 0.81, 0.83])))
-    after = reports.load(make(tmp_path / "b.json",
-                              speed_measurements=timing([0.95, 0.96, 0.97, 0.955, 0.965])))
+def test_compare_names_timing_shifts_beyond_the_old_interval(real_runs) -> None:
+    """A real speed record (timed in worker processes) against the same record of a candidate
+    made slower by more than the interval's width: the shift is named, its direction too."""
+    import copy
+
+    before = reports.load(real_runs.merged)
+    after = copy.deepcopy(before)
+    test = after["routes"]["attn.d256.fa2"]["gates"]["speed"]["tests"][0]
+    measured = test["measurements"]
+    factor = measured["ci_high"] / measured["ci_low"] * 1.05
+    for key in ("ratio_median", "ci_low", "ci_high"):
+        measured[key] *= factor
     lines = history.compare(before, after).lines()
-    shifted = [line for line in lines if "t.py::test_speed[toy.add.fast]" in line]
-    assert len(shifted) == 1 and shifted[0].endswith("(slower)")
-    assert "ratio 0.820 [0.804, 0.836]" in shifted[0] and "-> 0.960" in shifted[0]
-    same = history.compare(before, before).lines()
-    assert same == ["no differences"]
+    shifted = [line for line in lines if test["nodeid"] in line]
+    assert len(shifted) == 1 and shifted[0].endswith("(slower)"), lines
+    old = before["routes"]["attn.d256.fa2"]["gates"]["speed"]["tests"][0]["measurements"]
+    assert f"ratio {old['ratio_median']:.3f} [{old['ci_low']:.3f}" in shifted[0]
+    assert history.compare(after, before).lines()[-2].endswith("(faster)")
+    assert history.compare(before, before).lines() == ["no differences"]
+
+
+def test_diff_of_one_run_and_the_merge_of_shards(real_runs) -> None:
+    """The unsharded run left the speed gate out: against the merge it is the only change."""
+    done = _cli("diff", str(real_runs.unsharded), str(real_runs.merged))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "attn.d256.fa2 speed: pending (-) -> passed" in done.stdout or \
+        "attn.d256.fa2 speed: pending (-) -> failed" in done.stdout
+    assert "loader" not in done.stdout and "parity" not in done.stdout
 
 
 def test_diff_command_exits_1_only_when_something_got_worse(tmp_path: Path) -> None:

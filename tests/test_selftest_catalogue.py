@@ -368,8 +368,8 @@ def test_engine_hits_carry_the_planted_name(registry, inner_engine):
 
 # ------------------------------------------------------------------------------ summary
 
-def _test(outcome, **measurements):
-    return {"nodeid": "x", "outcome": outcome, "measurements": measurements}
+def _test(status, **measurements):
+    return {"nodeid": "x", "outcome": status, "measurements": measurements}
 
 
 def _report(gates_by_route, policy=None):
@@ -393,9 +393,19 @@ def summary_status(tests):
     return gate_status(tests)
 
 
-def _timing(lo, rounds, threshold=0.99, rule="gain"):
-    return dict(ci_low=lo, ci_high=lo + 0.02, threshold=threshold, rule=rule, rounds=rounds,
-                confidence=0.95)
+def _timing(lo, processes, threshold=0.99, rule="gain"):
+    """A timing record as the worker-process protocol writes it (``ProcessResult``), its
+    interval computed across ``processes`` workers of four rounds each."""
+    from pytest_dflash.measure.statistics import ProcessResult, ProcessSample
+
+    ratio = lo + 0.01
+    timed = [ProcessSample(worker=i, pid=1000 + i, candidate_s=[ratio * 1e-3] * 4,
+                           baseline_s=[1e-3] * 4, orders=["cb", "bc"] * 2)
+             for i in range(processes)]
+    return ProcessResult(processes=timed, ratio=ratio, ci_low=lo, ci_high=lo + 0.02,
+                         decision="fail", outcome="slower", rule=rule, threshold=threshold,
+                         confidence=0.95, looks=[processes],
+                         rounds_per_process=[4]).measurements()
 
 
 def test_min_rounds_of_a_distribution_free_median_interval():
@@ -407,8 +417,8 @@ def test_summary_counts_catches_misses_and_resolution():
     report = _report({
         "r": (["speed"], [[_test("passed")]]),
         "r~copy": (["speed"], [[_test("passed")]]),
-        "r~slow_1pct": (["speed"], [[_test("failed", **_timing(0.985, 48))]]),  # fail closed
-        "r~slow_3pct": (["speed"], [[_test("failed", **_timing(1.01, 24))]]),  # resolved
+        "r~slow_1pct": (["speed"], [[_test("failed", **_timing(0.985, 18))]]),  # fail closed
+        "r~slow_3pct": (["speed"], [[_test("failed", **_timing(1.01, 6))]]),  # resolved
         "r~slow_10pct": (["speed"], [[_test("passed")]]),  # missed
         "p~copy": (["parity"], [[_test("passed")]]),
         "p~out_scaled": (["parity"], [[_test("error")]]),
@@ -426,7 +436,8 @@ def test_summary_counts_catches_misses_and_resolution():
     assert "cannot resolve the policy's 1% here" in text and "MISSED: slow_10pct" in text
 
 
-def test_too_few_rounds_never_resolve():
+def test_too_few_processes_never_resolve():
+    """Two processes of 4 rounds each are 8 rounds but 2 independent units: not enough."""
     report = _report({"r~slow_10pct": (["speed"], [[_test("failed", **_timing(1.2, 2))]])})
     gate = summary.summarize(report)["routes"]["r"]["speed"]
     assert gate["caught"] == 1 and gate["resolution"] is None

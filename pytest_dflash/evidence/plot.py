@@ -177,8 +177,9 @@ def plot_timing(route: str, kind: str, test: dict[str, Any], out: Path) -> list[
         else:
             _draw_rounds(ax, s)
         ok, _ = _decision_lines(ax, s)
-        decided = s.get("decision") or s.get("outcome") or ""
-        ax.set_title(f"{label}\n{decided} ({'pass' if ok else 'not passed'})", fontsize=9,
+        decided = s.get("decision") or ("pass" if ok else "not passed")
+        words = s.get("outcome")  # faster / neutral / slower / inconclusive
+        ax.set_title(f"{label}\n{decided}" + (f" ({words})" if words else ""), fontsize=9,
                      color=PASS_COLOR if ok else FAIL_COLOR)
         ax.set_ylabel("candidate / baseline time", fontsize=8)
         ax.tick_params(labelsize=7)

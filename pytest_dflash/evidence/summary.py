@@ -36,6 +36,24 @@ def context_line(report: dict[str, Any]) -> str:
             f"{fingerprint.short(report.get('fingerprint', {}))}, created {report['created']}")
 
 
+def shards_line(report: dict[str, Any]) -> str | None:
+    """Where a merged report's evidence comes from: its shards, hosts, and any that never
+    arrived (``pytest-dflash merge``); None for the report of one run."""
+    shards = report.get("shards")
+    if not shards:
+        return None
+    merged = shards["merged"]
+    count = shards.get("count")
+    taken = ", ".join(f"{m['shard']}/{count}" if m.get("shard") else m["file"] for m in merged)
+    hosts = sorted({m["host"] for m in merged if m.get("host")})
+    line = f"merged from {len(merged)} reports ({taken})"
+    if hosts:
+        line += f" on {len(hosts)} host{'s' if len(hosts) > 1 else ''} ({', '.join(hosts)})"
+    if shards["missing"]:
+        line += "; never arrived: " + ", ".join(f"shard {k}/{count}" for k in shards["missing"])
+    return line
+
+
 def counts(report: dict[str, Any]) -> dict[str, int]:
     """How many candidates got each verdict."""
     result = {"accept": 0, "reject": 0, "pending": 0}
@@ -46,7 +64,9 @@ def counts(report: dict[str, Any]) -> dict[str, int]:
 
 def to_text(report: dict[str, Any]) -> str:
     """The terminal table (the same as the pytest run prints), headed by its context."""
-    return "\n".join([context_line(report), *render(report)]) + "\n"
+    shards = shards_line(report)
+    head = [context_line(report)] + ([shards] if shards else [])
+    return "\n".join([*head, *render(report)]) + "\n"
 
 
 def _md_cell(text: str, limit: int = 300) -> str:
@@ -75,6 +95,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"{tally['pending']} pending. {_md_cell(context_line(report))}",
         "",
     ]
+    if shards_line(report):
+        lines[-1:-1] = ["", f"Evidence {_md_cell(shards_line(report) or '')}."]
     if not routes:
         return "\n".join([*lines, "No candidate routes were registered or selected.", ""])
     kinds = [k for k in GATE_KINDS if any(k in r["required"] for r in routes.values())]
@@ -121,6 +143,7 @@ def to_json(report: dict[str, Any]) -> dict[str, Any]:
         "device": report.get("device", {}).get("name"),
         "fingerprint": fingerprint.short(report.get("fingerprint", {})),
         "created": report["created"],
+        "shards": shards_line(report),
         "routes": {
             name: {
                 "verdict": entry["verdict"],
