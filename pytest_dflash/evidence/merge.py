@@ -167,6 +167,15 @@ def _missing(routes: dict[str, Any], plan: Mapping[str, Any], arrived: set[int])
     return absent
 
 
+def _in_plan_order(routes: dict[str, Any], plan: Mapping[str, Any]) -> None:
+    """Each gate's tests in the order one run would have run them (the plan keeps the
+    collection order): a gate's figure breaks ties by that order, so it reads as one run's."""
+    position = {p["nodeid"]: i for i, p in enumerate(plan["plan"])}
+    for entry in routes.values():
+        for gate in entry["gates"].values():
+            gate["tests"].sort(key=lambda t: position.get(t["nodeid"], len(position)))
+
+
 def _device(loaded: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """The shards' device when they agree; else its type with every model named."""
     _same(loaded, "device type (CPU and GPU evidence)", "device.type",
@@ -194,6 +203,8 @@ def merge(loaded: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     routes = _join_routes(loaded)
     arrived = {int(d["shard"]["index"]) for _, d in loaded if "shard" in d}
     absent = _missing(routes, plan, arrived) if plan is not None else []
+    if plan is not None:
+        _in_plan_order(routes, plan)
     first = loaded[0][1]
     fingerprint = {**first["fingerprint"], "libraries": libraries,
                    "device": device["name"] if not device["name"].startswith("mixed: ")

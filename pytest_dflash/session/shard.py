@@ -152,10 +152,12 @@ def plan(tests: list[tuple[str, str | None, str | None]], costs: Mapping[str, fl
 
 def record(shard: Shard, tests: list[tuple[str, str | None, str | None]],
            where: Mapping[str, int], source: str) -> dict[str, Any]:
-    """The report's ``shard`` field: K/N, the costs' source, every planned test and its share,
-    and a digest of that plan that equal selections and costs give on every host."""
+    """The report's ``shard`` field: K/N, the costs' source, every planned test and its share
+    in collection order (the merge puts each gate's tests back in that order, so its figures
+    read as one run's), and a digest of that plan that equal selections and costs give on
+    every host."""
     planned = [{"nodeid": nodeid, "route": route, "kind": kind, "shard": where[nodeid]}
-               for nodeid, route, kind in sorted(tests, key=lambda t: t[0])]
+               for nodeid, route, kind in tests]
     digest = hashlib.sha256(json.dumps([shard.count, planned], sort_keys=True).encode())
     return {"index": shard.index, "count": shard.count, "costs": source,
             "plan_sha256": digest.hexdigest(), "host": socket.gethostname(),
