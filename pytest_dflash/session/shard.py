@@ -11,9 +11,10 @@ and joins the evidence afterwards (``pytest-dflash merge``, ``evidence.merge``).
 * shares balanced by what the units cost: the durations recorded in a report
   (``--dflash-shard-costs REF``, else the newest kept run under ``.dflash/``), by count when
   nothing is recorded. Units are dealt longest first to the share with the least cost so far
-  (the greedy rule pytest-split's ``least_duration`` uses for single tests; pytest-split itself
-  does not fit: it splits test by test, could part a timing gate's tests, and reads durations
-  only from its own file);
+  (the greedy rule of pytest-split's ``least_duration`` algorithm). pytest-split itself does
+  not fit: it deals single tests, so it could part a timing gate's tests across hosts, it reads
+  durations only from its own ``.test_durations`` file, and its plugin brings its own
+  ``--splits``/``--group`` options; its algorithms module is not a public API to build on;
 * a record of the plan in each shard's report (its K/N, every planned test's share and a digest
   of the plan), so the merge can tell shards of one plan from another plan's and name the shard
   whose report never arrived.
