@@ -134,8 +134,11 @@ def test_route_hits_prove_what_the_model_ran() -> None:
 
 
 def test_routes_the_engine_cannot_switch_are_unsupported() -> None:
-    with pytest.raises(EngineUnsupported, match="no SSM state"):
+    """The Llama fixture has no recurrent state and attention head dim 32."""
+    with pytest.raises(EngineUnsupported, match="no recurrent"):
         engine("prefill.geometry.fp16_q7920")
+    with pytest.raises(EngineUnsupported, match="head dim is 32"):
+        hf.build(MODEL, {**BASE, "attn.d256": "attn.d256.fa2"}, "quick")
 
 
 def test_bad_model_directory_names_the_fix(tmp_path) -> None:
@@ -212,5 +215,5 @@ def test_ppl_gate_through_the_transformers_engine(pytester: pytest.Pytester) -> 
     assert measured["max_ppl_delta"] > measured["ppl_tolerance"]
     assert eager["tests"][0]["measurements"]["max_ppl_delta"] <= 0.01
     state = routes["prefill.geometry.fp16_q7920"]["gates"]["ppl"]
-    assert state["status"] == "pending" and "no SSM state" in state["tests"][0]["message"]
+    assert state["status"] == "pending" and "no recurrent" in state["tests"][0]["message"]
     assert result.ret == pytest.ExitCode.TESTS_FAILED

@@ -9,33 +9,44 @@ How it runs the protocol of ``pytest_dflash.engines``:
 
 - ``encode``: the model's own tokenizer; ``add_special_tokens`` adds BOS exactly when the
   model's tokenizer does;
-- ``score``: the model's full logits, the prompt fed in the geometry's chunks over
-  ``past_key_values`` (as the prefill does), log-softmax in fp32;
+- ``score``: the model's full logits, the prompt fed in the geometry's chunks over the cache
+  (``cache=``, as the prefill does), log-softmax in fp32;
 - ``prefill``: the same chunked forward, timed (device synchronised), the first token's full
   logits hashed; the cache it leaves is the prefix ``verify`` runs on;
-- ``generate``: ``model.generate()`` on the route's KV cache, greedy unless the sampling asks
+- ``generate``: ``model.generate()`` on the route's cache, greedy unless the sampling asks
   otherwise, stopped by a stopping criterion that matches the stop strings in the completion;
-- ``verify``: one forward of M <= 8 draft tokens over a copy of the cached prefix;
-- ``route_hits``: this engine's own dispatches, named by the geometry route that served them,
-  with the attention implementation, compute dtype and cache class the model really ran
-  (read back from the loaded model and the cache object, not from the request).
+- ``verify``: one forward of M <= 8 draft tokens over a deep copy of the cached prefix (a
+  recurrent layer keeps only its final state: there is no per-token rollback);
+- ``route_hits``: what ran inside the model's layers, counted there: attention calls per layer
+  (``transformers_attention``), MLP calls per M branch (``transformers_mlp``), prefill chunks,
+  and the hits the routes' kernels recorded themselves while this engine ran (``route/op``).
 
-Routes are those of family ``prefill.geometry``: the shipped fp32 geometries set the prefill
-chunk size, and the ``prefill.geometry.hf_*`` routes (registered only while this engine is
-selected: :data:`ROUTES`) switch real transformers settings: attention implementation (eager
-against sdpa), compute dtype, chunk size and KV-cache implementation (static, quantized).
-Routes of other families (the reference model's attention and NVFP4 kernels) cannot be switched
-in a transformers model: asking for one is an :class:`~pytest_dflash.engines.EngineUnsupported`
-naming the route. transformers and torch are imported only when an engine is built.
+Every shipped family is applied through transformers' own extension points, with no copy of
+its modelling code:
+
+- ``attn.d256``: the route is registered as a transformers attention function with its mask
+  function (:mod:`pytest_dflash.engines.transformers_attention`); a model whose attention head
+  dim is not 256 runs transformers' own ``sdpa`` and cannot take an attn.d256 candidate;
+- ``gemm.nvfp4``: every gated MLP is quantized once to NVFP4 and served by the route's GEMM
+  (:mod:`pytest_dflash.engines.transformers_mlp`); the baseline runs the same codes;
+- ``prefill.geometry``: the chunk size, and the storage dtype of recurrent states between
+  chunks through the cache (:mod:`pytest_dflash.engines.transformers_cache`).
+
+The ``prefill.geometry.hf_*`` routes (registered only while this engine is selected:
+:data:`ROUTES`) switch further transformers settings: attention implementation (eager against
+the route's), compute dtype, chunk size and KV-cache implementation (static, quantized).
+transformers and torch are imported only when an engine is built.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +62,7 @@ from pytest_dflash.engines import (
 )
 from pytest_dflash.routes.registry import Route
 
-GEOMETRY = "prefill.geometry"
+ATTN, GEMM, GEOMETRY = "attn.d256", "gemm.nvfp4", "prefill.geometry"
 BASELINE = f"{GEOMETRY}.fp32_q3296"
 MAX_VERIFY_ROWS = 8
 ATTENTION = ("sdpa", "eager")
@@ -118,8 +129,8 @@ def quanto_missing() -> str | None:
 @dataclass(frozen=True)
 class HFSettings:
     """What one ``prefill.geometry`` route sets in the transformers engine (the family contract
-    ``PrefillGeometry``: ``chunk(profile)`` and ``state_dtype``, the latter always fp32 here:
-    a transformer has no SSM state)."""
+    ``PrefillGeometry``: ``chunk(profile)`` and ``state_dtype``, the storage dtype of a hybrid
+    model's recurrent states between chunks)."""
 
     name: str
     full_chunk: int = 3296
@@ -128,6 +139,7 @@ class HFSettings:
     cache: str = "dynamic"
     cache_backend: str = ""
     cache_nbits: int = 0
+    state: str = "float32"
 
     def __post_init__(self) -> None:
         if self.attn_implementation not in ATTENTION:
@@ -138,6 +150,8 @@ class HFSettings:
             raise ValueError(f"{self.name}: dtype {self.dtype!r} is not one of {DTYPES}")
         if self.cache not in CACHES:
             raise ValueError(f"{self.name}: cache {self.cache!r} is not one of {CACHES}")
+        if self.state not in ("float32", "float16"):
+            raise ValueError(f"{self.name}: state {self.state!r} is not float32 or float16")
         if (self.cache == "quantized") != bool(self.cache_backend and self.cache_nbits):
             raise ValueError(
                 f"{self.name}: a quantized cache needs cache_backend and "
@@ -148,7 +162,7 @@ class HFSettings:
     def state_dtype(self) -> Any:
         import torch
 
-        return torch.float32
+        return getattr(torch, self.state)
 
     def chunk(self, profile: str) -> int:
         """Prefill chunk size for ``profile`` (the shipped geometries' divisors)."""
@@ -233,20 +247,9 @@ def default_registry() -> Any:
 
 
 def settings_for(selection: Mapping[str, str], registry: Any) -> tuple[str, HFSettings]:
-    """The geometry route of ``selection`` as transformers settings; any other family switched
-    away from its baseline is unsupported here (the engine runs the model's own layers)."""
+    """The ``prefill.geometry`` route of ``selection`` as transformers settings."""
     from pytest_dflash.engines.geometry import Geometry
 
-    for family, name in selection.items():
-        if family == GEOMETRY:
-            continue
-        baseline = registry.role(family, "baseline").name
-        if name != baseline:
-            raise EngineUnsupported(
-                f"the transformers engine runs the model's own layers: route {name} of family "
-                f"{family} cannot be switched in it (only {GEOMETRY} routes can); gate it with "
-                "the reference engine (no --dflash-engine)"
-            )
     name = selection.get(GEOMETRY, BASELINE)
     impl = registry.get(name).implementation()
     if isinstance(impl, HFSettings):
@@ -254,17 +257,34 @@ def settings_for(selection: Mapping[str, str], registry: Any) -> tuple[str, HFSe
     if isinstance(impl, Geometry):
         import torch
 
-        if impl.state_dtype != torch.float32:
+        if impl.state_dtype not in (torch.float32, torch.float16):
             raise EngineUnsupported(
-                f"route {name} stores an SSM state in {impl.state_dtype}; a transformers model "
-                "has no SSM state, so the route cannot be applied (select hf routes with "
-                "--dflash-route prefill.geometry.hf_...)"
-            )
-        return name, HFSettings(name, full_chunk=impl.full_chunk)
+                f"route {name} stores recurrent states in {impl.state_dtype}; the transformers "
+                "engine stores them in float32 or float16")
+        state = str(impl.state_dtype).removeprefix("torch.")
+        return name, HFSettings(name, full_chunk=impl.full_chunk, state=state)
     raise EngineUnsupported(
         f"route {name}: its implementation {impl!r:.80} is neither a "
         "prefill geometry nor pytest_dflash.engines.transformers.HFSettings"
     )
+
+
+def route_objects(selection: Mapping[str, str], registry: Any) -> dict[str, tuple[str, Any]]:
+    """family -> (route name, route object) for attn.d256 and gemm.nvfp4 (baselines where the
+    selection names none), each checked against its family contract."""
+    out = {}
+    for family in (ATTN, GEMM):
+        name = selection.get(family) or registry.role(family, "baseline").name
+        route = registry.get(name)
+        if route.family != family:
+            raise EngineError(f"selection maps family {family!r} to route {name!r} of family "
+                              f"{route.family!r}; map each family to one of its own routes")
+        try:
+            impl = registry.family_of(family).check(route.implementation(), name)
+        except TypeError as exc:
+            raise EngineError(str(exc)) from None
+        out[family] = (name, impl)
+    return out
 
 
 class TransformersEngine:
@@ -291,26 +311,34 @@ class TransformersEngine:
         self.path = check_model_dir(model_path)
         self.profile = profile
         self.device = torch.device(device)
-        self.route, self.settings = settings_for(selection, registry or default_registry())
-        self.selection = {**dict(selection), GEOMETRY: self.route}
+        registry = registry or default_registry()
+        self.route, self.settings = settings_for(selection, registry)
+        routes = route_objects(selection, registry)
+        self.attn_route, self.attn = routes[ATTN]
+        self.gemm_route, self.gemm = routes[GEMM]
+        self.selection = {**dict(selection), GEOMETRY: self.route, ATTN: self.attn_route,
+                          GEMM: self.gemm_route}
         self.chunk = self.settings.chunk(profile)
         dtype = getattr(torch, self.settings.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        attention = self._attention_choice(registry)
         self.model = (
-            AutoModelForCausalLM.from_pretrained(
-                self.path,
-                dtype=dtype,
-                attn_implementation=self.settings.attn_implementation,
-            )
+            AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype,
+                                                 attn_implementation=attention)
             .to(self.device)
             .eval()
         )
         ran = getattr(self.model.config, "_attn_implementation", None)
-        if ran != self.settings.attn_implementation:
+        if ran != attention:
             raise EngineError(
-                f"{self.route}: asked transformers for attention "
-                f"{self.settings.attn_implementation!r}, the model runs {ran!r}"
+                f"{self.route}: asked transformers for attention {attention!r}, the model "
+                f"runs {ran!r}"
             )
+        from pytest_dflash.engines.transformers_attention import served_by
+        from pytest_dflash.engines.transformers_mlp import quantize_mlps
+
+        self.attention_served_by = served_by(attention) or attention
+        self.mlps = quantize_mlps(self.model, self.gemm_route, self.gemm)
         # the cache argument's name: ``cache`` from transformers 5.x on, ``past_key_values``
         # before (the older name is deprecated there)
         import inspect
@@ -322,10 +350,46 @@ class TransformersEngine:
         self._cache: Any = None
         self._prefix: list[int] = []
         self._hits: Counter[str] = Counter()
+        self._kernel: Counter[str] = Counter()
+        self._depth = 0
+
+    def _attention_choice(self, registry: Any) -> str:
+        """The ``attn_implementation`` the model is loaded with: the attn.d256 route's function
+        for a model with head dim 256, transformers' own otherwise (then only the family's
+        baseline can be selected) and for a geometry route that asks for eager attention."""
+        from transformers import AutoConfig
+
+        from pytest_dflash.engines.transformers_attention import HEAD_DIM, register
+
+        config = AutoConfig.from_pretrained(self.path)
+        config = getattr(config, "text_config", None) or config
+        if self.settings.state != "float32" and "linear_attention" not in (
+                getattr(config, "layer_types", None) or ()):
+            raise EngineUnsupported(
+                f"route {self.route} stores recurrent states in {self.settings.state}; "
+                f"{self.path.name} has no recurrent (SSM) state, so the route cannot be "
+                "applied: gate it on a hybrid model (the default --dflash-engine hf model)")
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        baseline = registry.role(ATTN, "baseline").name
+        own = self.settings.attn_implementation != "sdpa"  # an hf_* route asks for eager
+        if head_dim == HEAD_DIM and not own:
+            return register(self.attn_route, self.attn)
+        if self.attn_route != baseline:
+            why = (f"its attention head dim is {head_dim}, family {ATTN} serves {HEAD_DIM}"
+                   if head_dim != HEAD_DIM else
+                   f"route {self.route} runs transformers' {self.settings.attn_implementation}")
+            raise EngineUnsupported(
+                f"route {self.attn_route} cannot be applied in {self.path.name}: {why}; gate it "
+                "on a model with head dim 256 (the default --dflash-engine hf model) or with "
+                "the reference engine")
+        return self.settings.attn_implementation
 
     # ------------------------------------------------------------------------- helpers
     def _new_cache(self, max_len: int) -> Any:
-        from transformers import DynamicCache, QuantizedCache, StaticCache
+        from transformers import QuantizedCache, StaticCache
+
+        from pytest_dflash.engines.transformers_cache import geometry_cache
 
         if self.settings.cache == "static":
             return StaticCache(config=self.model.config, max_cache_len=max_len)
@@ -335,17 +399,37 @@ class TransformersEngine:
                 config=self.model.config,
                 nbits=self.settings.cache_nbits,
             )
-        return DynamicCache(config=self.model.config)
+        return geometry_cache(self.model.config, self.settings.state_dtype)
+
+    @contextmanager
+    def _tracked(self) -> Iterator[None]:
+        """Collect the hits the routes' kernels record while this engine runs (outermost call
+        only), as ``route/op``."""
+        from pytest_dflash.native import hits
+
+        self._depth += 1
+        try:
+            if self._depth > 1:
+                yield
+                return
+            with hits.counting() as delta:
+                yield
+            self._kernel.update({f"{r}/{op}": n for (r, op), n in delta.counts.items()})
+        finally:
+            self._depth -= 1
 
     def _hit(self, op: str, cache: Any) -> None:
         """One dispatch of this engine, with what really ran: the loaded model's attention
         implementation and dtype, and the cache object's class."""
-        cfg = self.model.config
         self._hits[self.route] += 1
         self._hits[f"{self.route}:{op}"] += 1
-        self._hits[f"{self.route}:attn:{cfg._attn_implementation}"] += 1
+        self._hits[f"{self.route}:attn:{self.attention_served_by}"] += 1
         self._hits[f"{self.route}:dtype:{str(self.model.dtype).removeprefix('torch.')}"] += 1
         self._hits[f"{self.route}:cache:{type(cache).__name__}"] += 1
+        from pytest_dflash.engines.transformers_cache import recurrent_state_dtypes
+
+        for dtype in sorted(recurrent_state_dtypes(cache)):
+            self._hits[f"{self.route}:state:{dtype}"] += 1
 
     def _check_ids(self, token_ids: list[int], what: str) -> list[int]:
         ids = [int(t) for t in token_ids]
@@ -363,7 +447,7 @@ class TransformersEngine:
         import torch
 
         outs, chunks = [], 0
-        with torch.inference_mode():
+        with torch.inference_mode(), self._tracked():
             for start in range(0, len(ids), self.chunk):
                 piece = torch.tensor([ids[start : start + self.chunk]], device=self.device)
                 out = self.model(
@@ -486,7 +570,7 @@ class TransformersEngine:
         if stop:
             kwargs["stopping_criteria"] = self._stop_in_completion(len(ids), stop)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
-        with torch.inference_mode():
+        with torch.inference_mode(), self._tracked():
             out = self.model.generate(
                 input_ids=torch.tensor([ids], device=self.device),
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=self.device),
@@ -510,12 +594,12 @@ class TransformersEngine:
     def verify(self, draft_ids: list[int]) -> Any:
         """Logits [M, vocab] of M <= 8 draft tokens in one forward over the cached prefix.
 
-        The prefix is left as it was: a dynamic cache is cropped back to it afterwards; a
-        static or quantized cache cannot be cropped (nor deep-copied: quanto's tensors refuse),
-        so the prefix is prefilled again into a fresh cache before the forward (untimed here:
-        the prefill gates time ``prefill``)."""
+        The forward runs on a deep copy of the cached prefix, which stays as it was: a
+        recurrent layer's cache keeps only its final state, so it cannot be cropped back. A
+        static or quantized cache cannot be deep-copied (quanto's tensors refuse), so the
+        prefix is prefilled again into a fresh one before the forward (untimed here: the
+        prefill gates time ``prefill``)."""
         import torch
-        from transformers import DynamicCache
 
         ids = self._check_ids(draft_ids, "verify")
         if len(ids) > MAX_VERIFY_ROWS:
@@ -524,19 +608,18 @@ class TransformersEngine:
             )
         if self._cache is None:
             raise EngineError("verify needs a cached prefix: call prefill(prompt_ids) first")
-        cache = self._cache
-        if type(cache) is not DynamicCache:
+        if self.settings.cache == "dynamic":
+            cache = copy.deepcopy(self._cache)
+        else:
             cache = self._new_cache(len(self._prefix) + MAX_VERIFY_ROWS)
             self._run_chunks(self._prefix, cache, all_logits=False)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._tracked():
             out = self.model(
                 input_ids=torch.tensor([ids], device=self.device),
                 use_cache=True,
                 logits_to_keep=0,
                 **{self._cache_arg: cache},
             )
-        if cache is self._cache:
-            cache.crop(-len(ids))  # drop the draft rows again
         self._hit("verify", cache)
         return out.logits[0].float()
 
@@ -545,14 +628,24 @@ class TransformersEngine:
         self._cache, self._prefix = None, []
 
     def route_hits(self) -> dict[str, int]:
-        """Dispatches by route name, plus ``route:op`` and what ran (attention, dtype, cache)."""
-        return dict(self._hits)
+        """Calls by route name counted inside the model's layers (attention per layer, MLP
+        GEMMs per M branch, prefill chunks), ``route:op`` detail, what ran (attention function,
+        dtype, cache class, recurrent-state dtype) and the kernels' own ``route/op`` hits."""
+        from pytest_dflash.engines.transformers_attention import calls_of
+
+        out: Counter[str] = Counter(self._hits)
+        for (route, op), n in calls_of(self.model).items():
+            out[route] += n
+            out[f"{route}:{op}"] += n
+        out.update(self._kernel)
+        return dict(out)
 
     def __repr__(self) -> str:
         return (
-            f"<TransformersEngine {self.path.name} {self.route} "
-            f"({self.settings.attn_implementation}, {self.settings.dtype}, "
-            f"{self.settings.cache} cache, chunk {self.chunk}) device={self.device}>"
+            f"<TransformersEngine {self.path.name} {self.route} {self.attn_route} "
+            f"{self.gemm_route} ({self.attention_served_by}, {self.settings.dtype}, "
+            f"{self.settings.cache} cache, {self.settings.state} state, chunk {self.chunk}) "
+            f"device={self.device}>"
         )
 
 

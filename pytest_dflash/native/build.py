@@ -115,10 +115,12 @@ class BuildPlan:
 
 
 def csrc_dir() -> Path:
-    """The C++/CUDA sources shipped with the ``dflash_kernels`` package."""
+    """The C++/CUDA sources shipped with the ``dflash_kernels`` package (a namespace package:
+    no ``__init__.py``, so the checkout's ``kernels/`` folder never shadows another ``kernels``
+    package, e.g. the Hub's that transformers imports)."""
     import dflash_kernels
 
-    return Path(dflash_kernels.__file__).resolve().parent / "csrc"
+    return Path(next(iter(dflash_kernels.__path__))).resolve() / "csrc"
 
 
 def cpp_sources() -> list[Path]:

@@ -1,1 +1,0 @@
-"""The shipped kernels under test: D256 attention, NVFP4 / QPN layouts, gemm routes."""

@@ -1,0 +1,151 @@
+"""``attn.d256`` routes as transformers attention functions (docs/engines.md, "Hugging Face
+transformers").
+
+transformers looks an attention layer's function up by name (``AttentionInterface``) and builds
+the layer's mask with the function registered under the same name (``AttentionMaskInterface``).
+:func:`register` puts a route there under its own name, so the model's own attention layers
+(projections, norms, rotary embedding, cache update, output gate) run unchanged and only the
+attention itself is the route's, called in the family contract
+(``pytest_dflash.routes.families.AttnD256``):
+
+- transformers calls ``f(module, query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D], mask,
+  scaling=...)`` with the cache already concatenated and the GQA heads not repeated;
+  the route's ``dense(q [Sq, Hq, D], k/v [Skv, Hkv, D], out, scale, causal=True)`` takes them
+  per sequence, repeats the heads itself and aligns the causal mask bottom-right, which is right
+  both for a fresh chunk (Sq == Skv) and for a chunk or a verify block over a cached prefix;
+- the mask function is transformers' ``sdpa_mask``. Registering it matters: without one,
+  transformers hands the function ``attention_mask=None`` even where keys outnumber queries.
+  The mask it builds (or ``None`` where it proves the plain causal mask suffices) must be the
+  causal mask of one unpadded sequence, the only mask the family contract serves; any other
+  mask (padding) is an :class:`~pytest_dflash.engines.EngineError`, never a silent drop;
+- the result goes back as ``[B, Sq, Hq, D]``, as transformers expects;
+- every call is counted on the calling layer itself (:func:`count_call`: ``"layer{i}:fresh"``
+  for a chunk without a cached prefix, ``"layer{i}:cached"`` over one), beside the route's own
+  ``dense`` hit, so the engine's ``route_hits`` says which layer called the route and how.
+
+An engineer's own attention function with transformers' signature becomes a route through
+:class:`FunctionAttention` (``pytest_dflash.engines.own_attention`` registers it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pytest_dflash.engines import EngineError
+
+HEAD_DIM = 256
+# name -> (route name, route object): what each registered function serves (this process)
+_REGISTERED: dict[str, tuple[str, Any]] = {}
+
+
+def function_name(route_name: str, impl: Any) -> str:
+    """The name the route's function is registered under: one per route object, so two
+    registries' objects of one route name never overwrite each other. Not the route's name:
+    transformers treats any name containing "flash" as a flash-attention kernel to load."""
+    for name, (route, obj) in _REGISTERED.items():
+        if route == route_name and obj is impl:
+            return name
+    return f"gated_route_{len(_REGISTERED)}"
+
+
+def _check_mask(mask: Any, sq: int, skv: int, route_name: str) -> None:
+    """``mask`` must be the bottom-right causal mask of one unpadded sequence."""
+    import torch
+
+    if mask.dtype != torch.bool:
+        raise EngineError(
+            f"{route_name}: transformers passed a {mask.dtype} attention mask; the attn.d256 "
+            "mask function is sdpa_mask (boolean): register the route with register()"
+        )
+    causal = torch.ones(sq, skv, dtype=torch.bool, device=mask.device).tril(skv - sq)
+    if not bool((mask == causal).all()):
+        raise EngineError(
+            f"{route_name}: transformers asked for a mask other than the causal mask of one "
+            "unpadded sequence (padding, a sliding window); an attn.d256 route serves causal "
+            "attention only: run the engine on unpadded single sequences"
+        )
+
+
+def count_call(module: Any, route_name: str, op: str, n: int = 1) -> None:
+    """Count a route call on the module that made it (``module.dflash_calls``): the engine
+    sums its own model's counters, so two engines of one route never share counts, and the
+    global kernel hits (which the validation-cost gate compares across routes) stay the
+    kernels' own."""
+    from collections import Counter
+
+    calls = getattr(module, "dflash_calls", None)
+    if calls is None:
+        calls = Counter()
+        module.dflash_calls = calls
+    calls[(route_name, op)] += n
+
+
+def calls_of(model: Any) -> dict[tuple[str, str], int]:
+    """Every route call counted on ``model``'s modules, summed: (route, op) -> calls."""
+    from collections import Counter
+
+    total: Counter[tuple[str, str]] = Counter()
+    for module in model.modules():
+        total.update(getattr(module, "dflash_calls", None) or {})
+    return dict(total)
+
+
+def attention_function(route_name: str, impl: Any) -> Callable[..., tuple[Any, None]]:
+    """The transformers attention function serving ``impl`` (an ``AttnD256`` object)."""
+
+    def attend(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+               scaling: float | None = None, dropout: float = 0.0,
+               **kwargs: Any) -> tuple[Any, None]:
+        import torch
+
+        batch, hq, sq, dim = query.shape
+        hkv, skv = key.shape[1], key.shape[2]
+        if dim != HEAD_DIM:
+            raise EngineError(
+                f"{route_name}: the model's attention head dim is {dim}; family attn.d256 "
+                f"serves head dim {HEAD_DIM} only"
+            )
+        groups = getattr(module, "num_key_value_groups", hq // max(hkv, 1))
+        if hkv * groups != hq:
+            raise EngineError(f"{route_name}: {hq} query heads are not {groups} x {hkv} "
+                              "key/value heads (module.num_key_value_groups)")
+        if dropout:
+            raise EngineError(f"{route_name}: attention dropout {dropout}; the engine runs "
+                              "the model in eval mode")
+        if attention_mask is not None:
+            for b in range(batch):
+                _check_mask(attention_mask[b, 0], sq, skv, route_name)
+        scale = float(scaling) if scaling is not None else dim ** -0.5
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        out = torch.empty(batch, sq, hq, dim, dtype=query.dtype, device=query.device)
+        for b in range(batch):
+            impl.dense(q[b].contiguous(), k[b].contiguous(), v[b].contiguous(), out[b], scale,
+                       True)
+        layer = getattr(module, "layer_idx", "?")
+        count_call(module, route_name, f"layer{layer}:{'fresh' if skv == sq else 'cached'}",
+                   batch)
+        return out, None
+
+    attend.__qualname__ = attend.__name__ = f"attend_{route_name.replace('.', '_')}"
+    return attend
+
+
+def register(route_name: str, impl: Any) -> str:
+    """Register the route as a transformers attention function with its mask function;
+    returns the ``attn_implementation`` name that selects it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    name = function_name(route_name, impl)
+    if name not in _REGISTERED:
+        AttentionInterface.register(name, attention_function(route_name, impl))
+        AttentionMaskInterface.register(name, sdpa_mask)
+        _REGISTERED[name] = (route_name, impl)
+    return name
+
+
+def served_by(attn_implementation: str) -> str | None:
+    """The route a registered function name serves, None for transformers' own functions."""
+    entry = _REGISTERED.get(attn_implementation)
+    return entry[0] if entry else None
