@@ -75,13 +75,14 @@ def pytest_dflash_routes(registry):
 
 def test_documented_example_accepted_and_planted_defects_rejected(
         pytester: pytest.Pytester) -> None:
-    """The parity gate of attn.d256 (the candidate against the fp64 oracle, prefixes Tq < Tk,
-    long prefills) judges the documented function and three planted ones."""
+    """The dense parity tests of attn.d256 (the candidate against the fp64 oracle: prefixes
+    Tq < Tk at the tile edges, causal prefills of 1024 and 4096 keys at the ci profile) judge
+    the documented function and three planted ones."""
     pytester.makeconftest(documented_example() + DEFECTS)
     report = pytester.path / "r.json"
     result = pytester.runpytest_subprocess(
-        "--pyargs", "dflash_suites", "-m", "parity and not gemm", "-k", "attn",
-        "--dflash-profile", "quick", "--dflash-route", "attn.d256.mine",
+        "--pyargs", "dflash_suites.test_parity_attn", "-k", "dense_parity",
+        "--dflash-profile", "ci", "--dflash-route", "attn.d256.mine",
         "--dflash-route", "attn.d256.top_left_causal",
         "--dflash-route", "attn.d256.fp16_accumulation",
         "--dflash-route", "attn.d256.drift_past_1k",
