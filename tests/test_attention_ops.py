@@ -92,6 +92,23 @@ def test_dense_routes_match_fp64_reference(route, tq, tk, hq, hkv, causal):
     assert rel_l2(out, reference_attention(q, k, v, SCALE, causal)) <= 2e-6
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_fa2_writes_an_inference_mode_output_from_every_thread(ops, paged):
+    """An engine runs under torch.inference_mode and allocates ``out`` there (an inference
+    tensor). Many query tiles spread the op over the intra-op threads, each of which writes its
+    rows: a thread without the caller's inference mode may not (torch refuses the write)."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread: the op never leaves the caller's thread")
+    q, k, v = make_qkv(300, 300, 4, 2, seed=9)
+    with torch.inference_mode():
+        out = torch.full_like(q, float("nan"))
+        if paged:
+            FA2.paged(q, *paged_copy(k, v, 32, 10), 300, out, SCALE, True)
+        else:
+            FA2.dense(q, k, v, out, SCALE, True)
+    assert rel_l2(out, reference_attention(q, k, v, SCALE, True)) <= 2e-6
+
+
 @pytest.mark.parametrize("route", [SDPA, FA2], ids=lambda r: r.route)
 def test_fp16_accumulates_in_fp32(route):
     q, k, v = make_qkv(300, 300, 4, 1, dtype=torch.float16, seed=5)

@@ -26,7 +26,7 @@ from pytest_dflash.engines.transformers_mlp import NVFP4MLP  # noqa: E402
 from pytest_dflash.session.policy import Policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXT = "def lift(pts):\n    return [p + 1 for p in pts]\n" * 6
+TEXT = "def lift(pts):\n    return [p + 1 for p in pts]\n" * 9
 CHUNK = 48
 POLICY = Policy()
 
@@ -51,7 +51,7 @@ def engine_of(model_dir: Path, **selection: str) -> hf.TransformersEngine:
 
 def ids_of(engine: hf.TransformersEngine) -> list[int]:
     ids = engine.encode(TEXT, add_special_tokens=True)
-    assert len(ids) > 2 * CHUNK  # at least two seams
+    assert len(ids) > 128 and len(ids) > 2 * CHUNK  # several query tiles; at least two seams
     return ids
 
 

@@ -26,6 +26,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
@@ -73,6 +74,9 @@ struct Item {
 };
 
 // Runs `fn(item)` for every item on all intra-op threads, longest items first, dynamically.
+// Every thread runs with the caller's thread-local state (inference mode, dispatch keys): an
+// engine under torch.inference_mode hands the op an inference-tensor `out`, which a worker
+// thread without that state may not write into.
 template <typename Fn>
 void run_items(std::vector<Item>& items, const Fn& fn) {
   std::stable_sort(items.begin(), items.end(),
@@ -80,7 +84,9 @@ void run_items(std::vector<Item>& items, const Fn& fn) {
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const at::ThreadLocalState caller;
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    at::ThreadLocalStateGuard same_state(caller);
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(items[i]);
   });
 }
