@@ -165,6 +165,29 @@ def test_fp16_state_geometry_is_stored_in_the_cache(model_dir: Path,
     assert 0 < (state16[first_seam:] - state32[first_seam:]).abs().max() < 0.1
 
 
+def test_a_narrower_state_moves_the_logits_more(model_dir: Path,
+                                                base: hf.TransformersEngine) -> None:
+    """The self-test's planted fp8 state (a seam defect) is stored as such on a real hybrid,
+    and moves the predictions after the first seam more than the fp16 state does."""
+    from pytest_dflash.routes.registry import Route
+
+    registry = hf.default_registry()
+    registry.register(Route("prefill.geometry.fp8_q7920", "prefill.geometry", "candidate",
+                            baseline=hf.BASELINE, gates=("ppl",),
+                            impl="pytest_dflash.selftest.seams:FP8_Q7920"))
+    fp8, fp16 = (hf.build(model_dir, {"prefill.geometry": f"prefill.geometry.{n}"}, "quick",
+                          registry=registry) for n in ("fp8_q7920", "fp16_q7920"))
+    ids = ids_of(base)
+    positions = list(range(len(ids)))
+    reference = base.prefill_logits(ids, positions)[CHUNK:]
+    moved = {}
+    for name, engine in (("fp8", fp8), ("fp16", fp16)):
+        engine.chunk = CHUNK
+        moved[name] = float((engine.prefill_logits(ids, positions)[CHUNK:] - reference).abs().max())
+    assert fp8.route_hits()["prefill.geometry.fp8_q7920:state:float8_e4m3fn"] > 0
+    assert moved["fp8"] > 4 * moved["fp16"] > 0, moved
+
+
 def test_the_hub_kernels_package_is_not_shadowed(model_dir: Path) -> None:
     """transformers >= 5.25 imports the Hub's ``kernels``; the checkout's ``kernels/`` folder
     (first on sys.path here, as in the repository's own test runs) must not shadow it."""

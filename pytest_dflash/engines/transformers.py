@@ -67,6 +67,8 @@ BASELINE = f"{GEOMETRY}.fp32_q3296"
 MAX_VERIFY_ROWS = 8
 ATTENTION = ("sdpa", "eager")
 DTYPES = ("float32", "bfloat16", "float16")
+# storage dtypes of recurrent states between chunks (the layers compute in fp32 either way)
+STATE_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 CACHES = ("dynamic", "static", "quantized")
 ENGINE_NAME = "hf"
 INSTALL_HINT = "pip install 'pytest-dflash[hf]'"
@@ -150,8 +152,8 @@ class HFSettings:
             raise ValueError(f"{self.name}: dtype {self.dtype!r} is not one of {DTYPES}")
         if self.cache not in CACHES:
             raise ValueError(f"{self.name}: cache {self.cache!r} is not one of {CACHES}")
-        if self.state not in ("float32", "float16"):
-            raise ValueError(f"{self.name}: state {self.state!r} is not float32 or float16")
+        if self.state not in STATE_DTYPES:
+            raise ValueError(f"{self.name}: state {self.state!r} is not one of {STATE_DTYPES}")
         if (self.cache == "quantized") != bool(self.cache_backend and self.cache_nbits):
             raise ValueError(
                 f"{self.name}: a quantized cache needs cache_backend and "
@@ -255,13 +257,11 @@ def settings_for(selection: Mapping[str, str], registry: Any) -> tuple[str, HFSe
     if isinstance(impl, HFSettings):
         return name, impl
     if isinstance(impl, Geometry):
-        import torch
-
-        if impl.state_dtype not in (torch.float32, torch.float16):
-            raise EngineUnsupported(
-                f"route {name} stores recurrent states in {impl.state_dtype}; the transformers "
-                "engine stores them in float32 or float16")
         state = str(impl.state_dtype).removeprefix("torch.")
+        if state not in STATE_DTYPES:
+            raise EngineUnsupported(
+                f"route {name} stores recurrent states in {state}; the transformers engine "
+                f"stores them in one of {', '.join(STATE_DTYPES)}")
         return name, HFSettings(name, full_chunk=impl.full_chunk, state=state)
     raise EngineUnsupported(
         f"route {name}: its implementation {impl!r:.80} is neither a "
