@@ -93,6 +93,23 @@ def test_a_shard_of_other_code_is_refused_naming_the_field(real_runs, tmp_path) 
                 _edited(s3, tmp_path / "s3-torch.json", other_torch))
     assert done.returncode == 2 and "fingerprint.torch" in done.stderr
 
+    libraries = [lib for p in (s1, s2) for lib in real_runs.load(p)["fingerprint"]["libraries"]]
+    assert libraries, "neither shard recorded a loaded native library"
+
+    def other_library(data: dict) -> None:  # the same library, built from other bytes
+        data["fingerprint"]["libraries"] = [{**libraries[0], "sha256": "1" * 64}]
+
+    done = _cli("merge", tmp_path / "out.json", s1, s2,
+                _edited(s3, tmp_path / "s3-lib.json", other_library))
+    assert done.returncode == 2 and "fingerprint.libraries" in done.stderr
+    assert Path(libraries[0]["path"]).name in done.stderr
+
+    def looser(data: dict) -> None:
+        data["policy"]["speed_min_gain"] = 0.005
+
+    done = _cli("merge", tmp_path / "out.json", s1, s2, _edited(s3, tmp_path / "p.json", looser))
+    assert done.returncode == 2 and "field policy.speed_min_gain" in done.stderr
+
 
 def _split_gate(real_runs) -> tuple[Path, Path, Path]:
     """Two shards that both hold tests of one gate (parity is split test by test), and the

@@ -50,6 +50,7 @@ def _differs(what: str, field: str, seen: Mapping[str, list[str]]) -> MergeError
 
 def _same(loaded: Sequence[tuple[str, dict[str, Any]]], what: str, field: str,
           value: Any) -> None:
+    """Refuse unless ``value(report)`` is equal (as JSON) in every report."""
     seen: dict[str, list[str]] = {}
     for name, data in loaded:
         seen.setdefault(json.dumps(value(data), sort_keys=True, default=str), []).append(name)
@@ -197,7 +198,9 @@ def merge(loaded: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         raise MergeError("merge needs at least one report")
     libraries = check_code(loaded)
     _same(loaded, "profile", "profile", lambda d: d["profile"])
-    _same(loaded, "policy", "policy", lambda d: d["policy"])
+    policy = {key for _, d in loaded for key in d["policy"]}
+    for key in sorted(policy):  # named threshold by threshold
+        _same(loaded, f"the policy's {key}", f"policy.{key}", lambda d, k=key: d["policy"].get(k))
     plan = _plan(loaded)
     device = _device(loaded)
     routes = _join_routes(loaded)
