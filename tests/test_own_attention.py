@@ -136,7 +136,7 @@ def test_own_function_serves_the_models_attention(tmp_path: Path) -> None:
     ours, theirs = mine.prefill_logits(ids, positions), base.prefill_logits(ids, positions)
     assert float((ours - theirs).abs().max()) < 1e-4
     hits = mine.route_hits()
-    assert hits["attn.d256.mine:layer3:cached"] > 0 and hits["attn.d256.mine/dense"] > 0
+    assert hits["attn.d256.mine:layer3:cached"] > 0 and hits["attn.d256.mine/paged"] > 0
     assert mine.attention_served_by == "attn.d256.mine"
     assert not any(key.startswith("attn.d256.sdpa") for key in hits)
     assert torch.isfinite(ours).all()

@@ -10,9 +10,11 @@ attention itself is the route's, called in the family contract
 
 - transformers calls ``f(module, query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D], mask,
   scaling=...)`` with the cache already concatenated and the GQA heads not repeated;
-  the route's ``dense(q [Sq, Hq, D], k/v [Skv, Hkv, D], out, scale, causal=True)`` takes them
-  per sequence, repeats the heads itself and aligns the causal mask bottom-right, which is right
-  both for a fresh chunk (Sq == Skv) and for a chunk or a verify block over a cached prefix;
+  the route takes them per sequence, repeats the heads itself and aligns the causal mask
+  bottom-right: a fresh chunk (Sq == Skv) goes to its ``dense`` op, a chunk or a verify block
+  over a cached prefix to its ``paged`` op, over a paged copy of the keys and values
+  transformers concatenated (blocks of :data:`BLOCK_SIZE`, logical block i in physical block
+  i ^ 1, so a route that ignores the block table is wrong), as the reference engine does;
 - the mask function is transformers' ``sdpa_mask``. Registering it matters: without one,
   transformers hands the function ``attention_mask=None`` even where keys outnumber queries.
   The mask it builds (or ``None`` where it proves the plain causal mask suffices) must be the
@@ -21,7 +23,7 @@ attention itself is the route's, called in the family contract
 - the result goes back as ``[B, Sq, Hq, D]``, as transformers expects;
 - every call is counted on the calling layer itself (:func:`count_call`: ``"layer{i}:fresh"``
   for a chunk without a cached prefix, ``"layer{i}:cached"`` over one), beside the route's own
-  ``dense`` hit, so the engine's ``route_hits`` says which layer called the route and how.
+  ``dense`` or ``paged`` hit, so the engine's ``route_hits`` says which layer called which op.
 
 An engineer's own attention function with transformers' signature becomes a route through
 :class:`FunctionAttention` (``pytest_dflash.engines.own_attention`` registers it).
@@ -35,6 +37,7 @@ from typing import Any
 from pytest_dflash.engines import EngineError
 
 HEAD_DIM = 256
+BLOCK_SIZE = 32  # tokens per page of the paged copy (the reference engine's KV block size)
 # name -> (route name, route object): what each registered function serves (this process)
 _REGISTERED: dict[str, tuple[str, Any]] = {}
 
@@ -91,6 +94,24 @@ def calls_of(model: Any) -> dict[tuple[str, str], int]:
     return dict(total)
 
 
+def paged_copy(k: Any, v: Any) -> tuple[Any, Any, Any]:
+    """k/v ``[Skv, Hkv, D]`` as a paged cache ``[blocks, BLOCK_SIZE, Hkv, D]`` (an even number of
+    blocks, logical block i stored in physical block i ^ 1) and the int32 block table."""
+    import torch
+
+    skv = k.shape[0]
+    used = -(-skv // BLOCK_SIZE)
+    blocks = used + used % 2
+    table = torch.arange(blocks, dtype=torch.int32, device=k.device) ^ 1
+    pages = []
+    for t in (k, v):
+        flat = t.new_zeros(blocks * BLOCK_SIZE, *t.shape[1:])
+        flat[:skv] = t
+        logical = flat.view(blocks, BLOCK_SIZE, *t.shape[1:])
+        pages.append(logical[table.long()].contiguous())  # physical block p holds logical p ^ 1
+    return pages[0], pages[1], table[:used]
+
+
 def attention_function(route_name: str, impl: Any) -> Callable[..., tuple[Any, None]]:
     """The transformers attention function serving ``impl`` (an ``AttnD256`` object)."""
 
@@ -120,8 +141,12 @@ def attention_function(route_name: str, impl: Any) -> Callable[..., tuple[Any, N
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         out = torch.empty(batch, sq, hq, dim, dtype=query.dtype, device=query.device)
         for b in range(batch):
-            impl.dense(q[b].contiguous(), k[b].contiguous(), v[b].contiguous(), out[b], scale,
-                       True)
+            if skv == sq:
+                impl.dense(q[b].contiguous(), k[b].contiguous(), v[b].contiguous(), out[b],
+                           scale, True)
+            else:
+                k_cache, v_cache, table = paged_copy(k[b], v[b])
+                impl.paged(q[b].contiguous(), k_cache, v_cache, table, skv, out[b], scale, True)
         layer = getattr(module, "layer_idx", "?")
         count_call(module, route_name, f"layer{layer}:{'fresh' if skv == sq else 'cached'}",
                    batch)
