@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_dflash.measure.statistics import ProcessSample, process_compare, threshold_for
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 
 def timing_results(report: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:

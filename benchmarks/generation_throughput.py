@@ -22,7 +22,7 @@ from dflash_fixtures.tasks import STOP
 from pytest_dflash.engines import Sampling
 from pytest_dflash.engines.data import coding_tasks
 from pytest_dflash.engines.reference import build
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 
 def _sync(device: str) -> None:

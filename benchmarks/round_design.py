@@ -44,9 +44,9 @@ def child(m: int, design: str, budget: float) -> dict[str, float]:
 
     from dflash_suites.support.gemm import VerifySteps
     from pytest_dflash.measure.timing import calls_per_sample, cpu_timer, round_timer
+    from pytest_dflash.policy.thresholds import Policy
     from pytest_dflash.routes import shipped
     from pytest_dflash.routes.registry import RouteRegistry
-    from pytest_dflash.session.policy import Policy
 
     registry = RouteRegistry()
     shipped.pytest_dflash_routes(registry)

@@ -3,7 +3,7 @@
     python benchmarks/seam_figures.py [--profile ci] [--device cpu] [--spread] [--out FILE]
 
 For each geometry route (shipped candidates and the planted seam defects of
-``pytest_dflash.selftest.seams``) against the family baseline, on the profile's sizes:
+``pytest_dflash.selftest.seam_defects``) against the family baseline, on the profile's sizes:
 
 - the long contexts' perplexity per position band (the ppl gate's long-context test), and the
   largest band difference;
@@ -38,17 +38,17 @@ import torch
 from pytest_dflash.engines import reference
 from pytest_dflash.engines.data import long_contexts, prompt_ids
 from pytest_dflash.engines.geometry import REFERENCE_FP64
-from pytest_dflash.metrics.seams import agreement_positions, band_perplexities, bands
+from pytest_dflash.metrics.seam_bands import agreement_positions, band_perplexities, bands
+from pytest_dflash.policy.profiles import sizes
+from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.registry import Route, RouteRegistry
 from pytest_dflash.routes.shipped import SHIPPED_FAMILIES, SHIPPED_ROUTES
-from pytest_dflash.selftest.seams import (
+from pytest_dflash.selftest.seam_defects import (
     BF16_Q7920,
     FP8_Q7920,
     LastChunkKVDropped,
     StateZeroedAtSeams,
 )
-from pytest_dflash.session.policy import Policy
-from pytest_dflash.session.profiles import sizes
 
 GEOMETRY = "prefill.geometry"
 BASELINE = f"{GEOMETRY}.fp32_q3296"

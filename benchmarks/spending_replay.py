@@ -32,7 +32,7 @@ from futility_replay import (  # this directory, as a script's, is on sys.path
 )
 
 from pytest_dflash.measure.statistics import INTERIM_SHARE, ProcessSample, process_compare
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 # (first look, process cap, interim share): the policy's design first
 DESIGNS: tuple[tuple[int, int, float], ...] = (

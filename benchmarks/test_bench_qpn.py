@@ -30,7 +30,7 @@ from dflash_kernels.nvfp4 import NVFP4Weight, dequantize, quantize
 from dflash_suites.support.gemm import TARGET_M, layer_shape
 from pytest_dflash.measure.numerics import check_parity
 from pytest_dflash.measure.timing import cuda_timer
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PROFILE = "full" if DEVICE.type == "cuda" else "ci"

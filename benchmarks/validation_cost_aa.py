@@ -23,7 +23,7 @@ from dflash_kernels import qpn_native
 from dflash_kernels.gemm import QPN2
 from dflash_suites.support.gemm import layer_shape, make_weight, make_x
 from pytest_dflash.measure.timing import speed_gate
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 
 def main() -> None:

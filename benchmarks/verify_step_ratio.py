@@ -31,7 +31,7 @@ from dflash_kernels.gemm import QPN2, QPN2_PACKED
 from dflash_suites.support.gemm import layer_shape, make_weight, make_x
 from pytest_dflash.measure.statistics import paired_compare
 from pytest_dflash.measure.timing import calls_per_sample, round_timer
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 
 def main() -> None:

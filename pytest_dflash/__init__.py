@@ -5,7 +5,7 @@ declaration, and the registry all go into the ``pytest_dflash_routes`` hook
 (docs/extending.md); ``hits`` is where a route records which code path served a call;
 :func:`default_engine` is the engine pytest-dflash itself would build, for an outside
 ``pytest_dflash_engine`` hook to wrap. Gate tests use the ``dflash_gate`` fixture
-(``pytest_dflash.session.gate``); suites ask ``pytest_dflash.session.environment`` for the
+(``pytest_dflash.measure.gate``); suites ask ``pytest_dflash.session.environment`` for the
 device and profile.
 """
 
@@ -33,6 +33,6 @@ def default_engine(config: Any, selection: Mapping[str, str]) -> Any:
     close it. A route name that is not registered, or not of the family it is given for,
     raises ValueError naming the known routes.
     """
-    from pytest_dflash.engines.setup import factory_of
+    from pytest_dflash.session.engine_factory import factory_of
 
     return factory_of(config).build(dict(selection))

@@ -2,7 +2,8 @@
 
 Each hook hands its work to the module that owns it (docs/architecture.md has the map):
 
-- ``session.state``: session state, the route selection, evidence collection and the report;
+- ``session.state``: session state and the route selection;
+- ``session.collector``: evidence collection, the report and the verdict table;
 - ``session.collection``: gate markers -> tests parametrized over routes and profile sizes;
 - ``session.fixture``: ``dflash_gate`` and the narrower fixtures;
 - ``session.environment``: device, profile, dtype and the evidence fingerprint.
@@ -18,21 +19,22 @@ from typing import Any
 import pytest
 
 from pytest_dflash import settings
-from pytest_dflash.engines import setup as engine_setup
 from pytest_dflash.measure import progress
+from pytest_dflash.routes import hookspec
 from pytest_dflash.routes.vocabulary import GATE_KINDS
 from pytest_dflash.session import (
     collection,
+    collector,
+    engine_factory,
     environment,
     fixture,
-    hookspec,
     saved_runs,
     state,
 )
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
-    """Add the ``pytest_dflash_*`` hook specifications (``pytest_dflash.session.hookspec``)."""
+    """Add the ``pytest_dflash_*`` hook specifications (``pytest_dflash.routes.hookspec``)."""
     pluginmanager.add_hookspecs(hookspec)
 
 
@@ -42,7 +44,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Declare the markers, register the fixtures, set the session up (``state.start``)."""
+    """Declare the markers, register the fixtures, set the session up (``state.start``) and
+    the evidence collector (``collector.register``)."""
     config.addinivalue_line("markers", "sm70: the SM70 gate suite")
     config.addinivalue_line(
         "markers", "gate(kind, family=None, route=None, per_size=None): a gate test of the given "
@@ -56,8 +59,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.is_registered(fixture):
         config.pluginmanager.register(fixture, "dflash-fixtures")
     state.start(config)
+    collector.register(config)
     saved_runs.check_options(config)
-    progress.install_for(config)
+    progress.install_for(config, settings.of(config).progress_log)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -108,16 +112,16 @@ def pytest_dflash_engine(config: pytest.Config, selection: dict[str, str], profi
     """The default engine, asked last, built from the session's route registry: the reference
     engine on the gate device, the transformers engine under --dflash-engine hf:PATH, or a
     server engine under --dflash-serve / --dflash-engine-url."""
-    return engine_setup.factory_of(config).cached(selection)
+    return engine_factory.factory_of(config).cached(selection)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Close every engine and stop every server once the report is written."""
-    engine_setup.close(session.config)
+    engine_factory.close(session.config)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Also on an aborted session: no server or timing worker outlives it."""
-    engine_setup.close(config)
+    engine_factory.close(config)
     state.stop(config)

@@ -39,7 +39,7 @@ class Settings:
     report: Path = Path(DEFAULT_REPORT)
     progress_log: str | None = None  # as given: relative to the rootdir
     merge: bool = False
-    shard: str | None = None  # "K/N" as given (checked by session.shard.parse)
+    shard: str | None = None  # "K/N" as given (checked by session.state.start)
     shard_costs: str | None = None  # a report file or kept run whose durations balance shards
     strict: bool = False
     selftest: bool = False
@@ -176,14 +176,7 @@ def resolve(config: pytest.Config) -> Settings:
     if profile is not None and profile not in PROFILES:
         raise pytest.UsageError(f"dflash_profile = {profile!r}; use {', '.join(PROFILES)}")
     sidecar = _sidecar(config.getoption("dflash_sidecar", None))
-    shard = config.getoption("dflash_shard", None)
-    if shard is not None:
-        from pytest_dflash.session.shard import ShardError, parse
-
-        try:
-            parse(shard)
-        except ShardError as exc:
-            raise pytest.UsageError(str(exc)) from None
+    shard = config.getoption("dflash_shard", None)  # its form is checked at session start
     return Settings(
         device=device, profile=profile,
         routes=tuple(config.getoption("dflash_route", None) or ()),

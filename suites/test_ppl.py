@@ -11,7 +11,7 @@ Those segments are shorter than any prefill chunk, so they never see a chunk sea
 long-context test scores held-out contexts (whole modules concatenated) long enough to cross at
 least three seams of both routes' chunk sizes, and compares the perplexity per position band:
 before the first seam, the ``policy.ppl_band_tokens`` positions after each seam, and the tail
-(``pytest_dflash.metrics.seams``).
+(``pytest_dflash.metrics.seam_bands``).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def test_ppl_long_contexts(dflash_gate):
     """Per position band of each long context, |PPL(candidate) - PPL(baseline)| <=
     policy.ppl_band_tolerance (before the first seam, after each seam, the tail)."""
     from pytest_dflash.engines.data import long_contexts
-    from pytest_dflash.metrics.seams import band_perplexities, bands
+    from pytest_dflash.metrics.seam_bands import band_perplexities, bands
 
     route, policy, profile = dflash_gate.route, dflash_gate.policy, dflash_gate.profile
     baseline, candidate = dflash_gate.require("prompt_logprobs")

@@ -27,7 +27,7 @@ def test_attn_speed_cold_prefill(dflash_gate, size):
     """Causal prefill of T tokens (Hq=4, Hkv=1, D=256; fp32 on CPU, fp16 on GPU): passes only
     if the CI upper bound of candidate/baseline time is below 1 - min_gain."""
     from pytest_dflash.measure.timing import speed_gate
-    from pytest_dflash.measure.workers import TimingJob
+    from pytest_dflash.measure.timing_pool import TimingJob
 
     pair = SpeedPair(dflash_gate, size)
     job = TimingJob("dflash_suites.support.attn:speed_pair",

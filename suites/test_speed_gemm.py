@@ -31,7 +31,7 @@ SPEED_LAYERS = ("gate_up", "down")
 def test_gemm_speed_large_m(dflash_gate, layer):
     """Paired, interleaved candidate/baseline ratio; passes only on a real gain."""
     from pytest_dflash.measure.timing import speed_gate
-    from pytest_dflash.measure.workers import TimingJob
+    from pytest_dflash.measure.timing_pool import TimingJob
 
     pair = GemmPair(dflash_gate, layer)
     pair.check_output()

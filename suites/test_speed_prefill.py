@@ -44,7 +44,7 @@ def check_agreement(dflash_gate, baseline, candidate, length: int) -> tuple[dict
     import torch
 
     from pytest_dflash.engines.data import prompt_ids
-    from pytest_dflash.metrics.seams import agreement_positions, seams
+    from pytest_dflash.metrics.seam_bands import agreement_positions, seams
 
     start_s = time.perf_counter()
     policy, rows = dflash_gate.policy, dflash_gate.policy.agreement_rows

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from pytest_dflash.evidence import report as reports
+from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.registry import Route
-from pytest_dflash.session.policy import Policy
 
 FAST = Route("toy.add.fast", "toy.add", "candidate", baseline="toy.add.base",
              gates=("parity", "speed"))

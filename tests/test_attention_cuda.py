@@ -16,7 +16,7 @@ import torch
 
 from dflash_kernels.attention import FA2, ORACLE, SDPA, fa2_status, reference_attention
 from dflash_suites.support.attn import to_pages
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (torch sees none)")

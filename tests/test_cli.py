@@ -21,9 +21,9 @@ from pytest_dflash import cli
 from pytest_dflash.evidence import fingerprint
 from pytest_dflash.evidence import report as reports
 from pytest_dflash.measure.statistics import threshold_for
+from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.registry import Route
 from pytest_dflash.routes.shipped import SHIPPED_ROUTES
-from pytest_dflash.session.policy import Policy
 
 REPO = Path(__file__).resolve().parents[1]
 PACKED = "gemm.nvfp4.qpn2_packed"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from pytest_dflash import Family, RegistryError, Route, RouteRegistry
+from pytest_dflash.measure.gate import GateContext, case_seed
+from pytest_dflash.policy.profiles import SIZES, per_size_values
+from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.families import AttnD256, GemmNvfp4, contract_calls
 from pytest_dflash.routes.shipped import pytest_dflash_routes as shipped_routes
-from pytest_dflash.session.gate import GateContext, case_seed
-from pytest_dflash.session.policy import Policy
-from pytest_dflash.session.profiles import SIZES, per_size_values
 
 
 def _toy(verify_route: str | None = None) -> RouteRegistry:

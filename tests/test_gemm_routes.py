@@ -26,7 +26,7 @@ from dflash_suites.support import check_same_kernels
 from dflash_suites.support.gemm import run_validation_cost
 from pytest_dflash.measure.numerics import assert_bitwise_equal, check_parity
 from pytest_dflash.native import hits
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 ROUTES = (TURBOMIND, QPN2, QPN4_BOUNDED, QPN2_PACKED)
 POLICY = Policy()

@@ -170,7 +170,7 @@ def test_a_served_engine_started_by_a_gpu_worker_sees_only_its_card(
     monkeypatch.setenv(gpus.PLAN_ENV, gpus.encode_plan(H200))
     monkeypatch.setenv(gpus.SLOT_ENV, "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", H200[1].uuid)
-    env = server_env(registry.engine_selection(), registry, base)
+    env = server_env(registry.engine_selection(), registry, gpus.server_env(base))
     assert env["CUDA_VISIBLE_DEVICES"] == H200[1].uuid and env["KEEP"] == "me"
 
 

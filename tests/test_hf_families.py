@@ -23,7 +23,7 @@ from qwen35_model import make_qwen35  # noqa: E402
 from pytest_dflash.engines import EngineError  # noqa: E402
 from pytest_dflash.engines import transformers as hf  # noqa: E402
 from pytest_dflash.engines.transformers_mlp import NVFP4MLP  # noqa: E402
-from pytest_dflash.session.policy import Policy  # noqa: E402
+from pytest_dflash.policy.thresholds import Policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "def lift(pts):\n    return [p + 1 for p in pts]\n" * 9
@@ -175,7 +175,7 @@ def test_a_narrower_state_moves_the_logits_more(model_dir: Path,
     registry = hf.default_registry()
     registry.register(Route("prefill.geometry.fp8_q7920", "prefill.geometry", "candidate",
                             baseline=hf.BASELINE, gates=("ppl",),
-                            impl="pytest_dflash.selftest.seams:FP8_Q7920"))
+                            impl="pytest_dflash.selftest.seam_defects:FP8_Q7920"))
     fp8, fp16 = (hf.build(model_dir, {"prefill.geometry": f"prefill.geometry.{n}"}, "quick",
                           registry=registry) for n in ("fp8_q7920", "fp16_q7920"))
     ids = ids_of(base)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pytest_dflash.metrics.humaneval import check_completions, load_problems, problems_file
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 POLICY = Policy()
 LIMITS = {"timeout_s": POLICY.sandbox_timeout_s, "memory_mb": POLICY.sandbox_memory_mb}

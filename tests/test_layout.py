@@ -2,8 +2,11 @@
 
 Every module lives in a subpackage with one job (or is ``plugin.py``, ``settings.py`` or the
 package ``__init__``); docs/architecture.md draws exactly that tree; options are read in one
-module; the evidence never imports the self-test; and no two modules import each other round a
-circle. Each rule is checked on the real source tree, so a move that breaks one fails here.
+module; no two modules import each other round a circle, and neither do two subpackages; and
+every import, lazy or not, points down the documented layers (docs/architecture.md, "Layers"):
+ground (routes, policy, native, sandbox), then measure, engines, metrics, then evidence and
+settings, then session, selftest, xdist, then plugin, cli and the public package API. Each rule
+is checked on the real source tree, so a move that breaks one fails here.
 """
 
 from __future__ import annotations
@@ -17,6 +20,15 @@ PACKAGE = ROOT / "pytest_dflash"
 TOP_LEVEL = {"__init__.py", "plugin.py", "settings.py"}
 # evaluate metric modules: loaded by path through `evaluate`, not imported as package modules
 METRIC_SCRIPTS = ("metrics/pass_at_k", "metrics/perplexity")
+# the documented direction, lowest first: a package may import its own layer's packages (without
+# a circle) and the layers below, never one above. "" is the package API (pytest_dflash/__init__).
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"routes", "policy", "native", "sandbox"}),
+    frozenset({"measure", "engines", "metrics"}),
+    frozenset({"evidence", "settings"}),
+    frozenset({"session", "selftest", "xdist"}),
+    frozenset({"plugin", "cli", ""}),
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -87,24 +99,41 @@ def test_only_the_settings_module_reads_options() -> None:
     assert not readers, f"read options outside pytest_dflash/settings.py: {readers}"
 
 
-def test_the_evidence_does_not_import_the_selftest() -> None:
-    modules = _modules()
-    leaks = {name: sorted(i for i in _imports(path, modules) if ".selftest" in i)
-             for name, path in modules.items() if name.startswith("pytest_dflash.evidence")}
-    leaks = {name: found for name, found in leaks.items() if found}
-    assert not leaks, f"evidence modules import the self-test: {leaks}"
+def _package(module: str) -> str:
+    """The subpackage (or top-level module) ``module`` belongs to; "" for the package API."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
 
 
-def test_no_import_circle() -> None:
+def _package_graph() -> dict[str, dict[str, list[str]]]:
+    """package -> imported package -> the module imports that make the edge."""
     modules = _modules()
-    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    graph: dict[str, dict[str, list[str]]] = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(_package(name), {})
+        for imported in sorted(_imports(path, modules)):
+            if _package(imported) != _package(name):
+                edges.setdefault(_package(imported), []).append(f"{name} -> {imported}")
+    return graph
+
+
+def _layer(package: str) -> int:
+    for level, members in enumerate(LAYERS):
+        if package in members:
+            return level
+    raise AssertionError(f"package {package or 'pytest_dflash'} is in no layer; add it to "
+                         "LAYERS here and to the layers of docs/architecture.md")
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of ``graph`` (node -> nodes it points to), or None."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
     def visit(node: str) -> list[str] | None:
         state[node] = 1
         stack.append(node)
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
                 return stack[stack.index(nxt):] + [nxt]
             if nxt not in state and (found := visit(nxt)):
@@ -115,4 +144,57 @@ def test_no_import_circle() -> None:
 
     for name in sorted(graph):
         if name not in state and (circle := visit(name)):
-            raise AssertionError("import circle: " + " -> ".join(circle))
+            return circle
+    return None
+
+
+def test_the_imports_find_lazy_and_module_imports() -> None:
+    """The graph reader sees what the layer rules rely on: an import inside a function, and a
+    module imported by ``from package import module``."""
+    modules = _modules()
+    found = _imports(PACKAGE / "__init__.py", modules)
+    assert "pytest_dflash.session.engine_factory" in found  # inside default_engine()
+    assert "pytest_dflash.routes.hookspec" in _imports(PACKAGE / "plugin.py", modules)
+
+
+def test_no_import_circle_between_modules() -> None:
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    circle = _circle(graph)
+    assert circle is None, "import circle: " + " -> ".join(circle or [])
+
+
+def test_no_import_circle_between_packages() -> None:
+    graph = _package_graph()
+    circle = _circle({package: set(edges) for package, edges in graph.items()})
+    assert circle is None, (
+        "package import circle: " + " -> ".join(circle or []) + "; the edges: "
+        + "; ".join(e for a, b in zip(circle or [], (circle or [])[1:], strict=False)
+                    for e in graph[a].get(b, [])))
+
+
+def test_every_import_points_down_the_layers() -> None:
+    upward = [edge for package, edges in sorted(_package_graph().items())
+              for target, found in sorted(edges.items()) if _layer(target) > _layer(package)
+              for edge in found]
+    assert not upward, ("imports against the layers of docs/architecture.md (pass the value "
+                        "down as an argument, or move the shared part to a lower layer): "
+                        + "; ".join(upward))
+
+
+def test_measurement_and_evidence_know_neither_session_nor_selftest() -> None:
+    graph = _package_graph()
+    leaks = [edge for package in ("measure", "evidence") for target in ("session", "selftest")
+             for edge in graph.get(package, {}).get(target, [])]
+    assert not leaks, f"measurement or evidence imports the session or the self-test: {leaks}"
+
+
+def test_the_architecture_page_states_the_layers() -> None:
+    """docs/architecture.md names the same layers, in the same order, as LAYERS here."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = text[text.index("## Layers"):]
+    rows = re.findall(r"^\d\. (.+)$", block, flags=re.M)[:len(LAYERS)]
+    drawn = [frozenset(n.strip("`/").removesuffix(".py").replace("__init__", "")
+                       for n in re.findall(r"`([^`]+)`", row)) for row in rows]
+    assert drawn == list(LAYERS), (
+        f"docs/architecture.md's layers {drawn} differ from the tested ones {list(LAYERS)}")

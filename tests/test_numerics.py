@@ -14,7 +14,7 @@ from pytest_dflash.measure.numerics import (
     check_parity,
     poison_,
 )
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 POLICY = Policy()
 

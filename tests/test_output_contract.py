@@ -10,7 +10,7 @@ import string
 import pytest
 
 from pytest_dflash.metrics.quality import RULES, check_output_contract, summarize_quality
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 CLEAN = 'def add(a, b):\n    """Sum."""\n    return a + b\n'
 IDS = (11, 12, 13)  # explicit token ids keep the token rules out of text-only cases

@@ -13,8 +13,8 @@ import pytest
 from reportmaker import fingerprint
 
 from pytest_dflash.evidence import report as reports
+from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.registry import Route
-from pytest_dflash.session.policy import Policy
 
 pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is part of the test extra")
 

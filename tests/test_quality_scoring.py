@@ -11,8 +11,8 @@ import pytest
 from dflash_suites.test_quality import complete_tasks
 from pytest_dflash.engines.data import coding_tasks
 from pytest_dflash.engines.reference import build
+from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.sandbox.executor import SandboxUnavailable, check_permitted
-from pytest_dflash.session.policy import Policy
 
 
 def test_pooled_scoring_gives_the_inline_records_in_task_order():

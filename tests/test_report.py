@@ -9,9 +9,9 @@ import pytest
 
 from pytest_dflash.evidence import report as reports
 from pytest_dflash.evidence.verdict import gate_status, route_verdict
+from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.registry import Route
 from pytest_dflash.routes.vocabulary import GATE_KINDS, PROFILES, ROLES
-from pytest_dflash.session.policy import Policy
 
 ROUTE = Route("toy.a.fast", "toy.a", "candidate", baseline="toy.a.base",
               gates=("parity", "speed"))

@@ -10,7 +10,7 @@ at a chunk seam, with the real reference engine, while a correct route passes bo
 | fp8_q7920 | SSM state carried in fp8 (e4m3) | agreement |
 | last_kv_dropped | the last prefill chunk's paged KV zeroed | agreement (verify rows) |
 
-The defects are ``pytest_dflash.selftest.seams``; the gates are the shipped suites. The
+The defects are ``pytest_dflash.selftest.seam_defects``; the gates are the shipped suites. The
 agreement check runs inside the cold-prefill speed test, before its timing; only the agreement
 is asserted here (a unit test never asserts a timing outcome), and two timing rounds keep the
 correct route's test short.
@@ -22,7 +22,7 @@ import json
 
 import pytest
 
-from pytest_dflash.metrics.seams import (
+from pytest_dflash.metrics.seam_bands import (
     agreement_positions,
     band_perplexities,
     bands,
@@ -80,9 +80,9 @@ def test_prefill_logits_continue_like_prefill_and_the_fp64_reference_is_within_t
 
     from pytest_dflash.engines import reference
     from pytest_dflash.engines.data import prompt_ids
+    from pytest_dflash.policy.thresholds import Policy
     from pytest_dflash.routes.registry import Route, RouteRegistry
     from pytest_dflash.routes.shipped import pytest_dflash_routes
-    from pytest_dflash.session.policy import Policy
 
     registry = RouteRegistry()
     pytest_dflash_routes(registry)
@@ -131,19 +131,19 @@ PLUGIN = """
 import torch
 
 from pytest_dflash import Route
-from pytest_dflash.engines.setup import factory_of
+from pytest_dflash.session.engine_factory import factory_of
 from pytest_dflash.engines.geometry import Geometry
-from pytest_dflash.selftest import seams
+from pytest_dflash.selftest import seam_defects
 
 BASE = "prefill.geometry.fp32_q3296"
 SEAM_ZEROED = Geometry("prefill.geometry.seam_zeroed", torch.float32, 3296)
 LAST_KV_DROPPED = Geometry("prefill.geometry.last_kv_dropped", torch.float32, 3296)
-ENGINES = {SEAM_ZEROED.name: seams.StateZeroedAtSeams,
-           LAST_KV_DROPPED.name: seams.LastChunkKVDropped}
+ENGINES = {SEAM_ZEROED.name: seam_defects.StateZeroedAtSeams,
+           LAST_KV_DROPPED.name: seam_defects.LastChunkKVDropped}
 
 
 def pytest_dflash_routes(registry):
-    for geometry in (SEAM_ZEROED, LAST_KV_DROPPED, seams.BF16_Q7920, seams.FP8_Q7920):
+    for geometry in (SEAM_ZEROED, LAST_KV_DROPPED, seam_defects.BF16_Q7920, seam_defects.FP8_Q7920):
         registry.register(Route(geometry.name, "prefill.geometry", "candidate", baseline=BASE,
                                 gates=("ppl", "speed"), impl=geometry))
 

@@ -15,11 +15,11 @@ import torch
 
 from pytest_dflash.evidence import catch as summary
 from pytest_dflash.native import hits
+from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.registry import RouteRegistry
 from pytest_dflash.routes.shipped import SHIPPED_ROUTES
 from pytest_dflash.selftest import catalogue, wrappers
 from pytest_dflash.selftest.catalogue import Planted, plan
-from pytest_dflash.session.policy import Policy
 
 
 @pytest.fixture
@@ -218,7 +218,7 @@ def _install(registry: RouteRegistry, route: str = "gemm.nvfp4.qpn2_packed") -> 
 
 
 def _gate(registry: RouteRegistry, name: str):
-    from pytest_dflash.session.gate import GateContext
+    from pytest_dflash.measure.gate import GateContext
 
     return GateContext(route=registry.get(name), kind="validation_cost", registry=registry,
                        policy=Policy(), profile="quick", device=torch.device("cpu"),

@@ -27,7 +27,7 @@ from pytest_dflash.measure.statistics import (
     sides,
     threshold_for,
 )
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 POLICY = Policy()
 NOISE = 0.05  # sigma of the log of each timed run: 5% multiplicative lognormal noise

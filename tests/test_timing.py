@@ -23,7 +23,7 @@ from pytest_dflash.measure.timing import (
     synchronized,
     timer_for,
 )
-from pytest_dflash.session.policy import Policy, PolicyError
+from pytest_dflash.policy.thresholds import Policy, PolicyError
 
 POLICY = Policy()
 SMALL = np.random.default_rng(0).random(200_000)

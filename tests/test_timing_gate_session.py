@@ -21,7 +21,7 @@ TOYJOBS = """
 import time
 
 from pytest_dflash.native import hits
-from pytest_dflash.measure.workers import TimedPair
+from pytest_dflash.measure.timing_pool import TimedPair
 
 
 class Spin:
@@ -49,7 +49,7 @@ GATES = """
 import pytest
 
 from pytest_dflash.native import hits
-from pytest_dflash.measure.workers import TimingJob
+from pytest_dflash.measure.timing_pool import TimingJob
 from pytest_dflash.measure.timing import TimingInconclusive, speed_gate
 
 pytestmark = pytest.mark.sm70

@@ -12,14 +12,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _policy():
-    from pytest_dflash.session.policy import Policy
+    from pytest_dflash.policy.thresholds import Policy
 
     return Policy()
 
 
 def test_a_capturable_verify_step_is_timed_as_graph_replays():
     from pytest_dflash.measure.timing import pair_timers
-    from pytest_dflash.measure.workers import TimedPair
+    from pytest_dflash.measure.timing_pool import TimedPair
 
     dev = torch.device("cuda")
     x = torch.randn(8, 1024, device=dev, dtype=torch.float16)
@@ -47,7 +47,7 @@ def test_a_capturable_verify_step_is_timed_as_graph_replays():
 
 def test_a_step_that_cannot_be_captured_is_timed_eagerly_and_says_so():
     from pytest_dflash.measure.timing import pair_timers
-    from pytest_dflash.measure.workers import TimedPair
+    from pytest_dflash.measure.timing_pool import TimedPair
 
     dev = torch.device("cuda")
     x = torch.randn(8, 256, device=dev)
@@ -75,7 +75,7 @@ def test_the_reference_engine_speculative_round_is_captured_and_replays_its_logi
     from pytest_dflash.engines.data import prompt_ids
     from pytest_dflash.engines.reference import build
     from pytest_dflash.measure.timing import pair_timers
-    from pytest_dflash.measure.workers import TimedPair
+    from pytest_dflash.measure.timing_pool import TimedPair
 
     dev = torch.device("cuda")
     engine = build({"gemm.nvfp4": "gemm.nvfp4.qpn2"}, "quick", dev)

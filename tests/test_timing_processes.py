@@ -27,7 +27,7 @@ from pytest_dflash.measure.statistics import (
     threshold_for,
     variance_components,
 )
-from pytest_dflash.session.policy import Policy, PolicyError
+from pytest_dflash.policy.thresholds import Policy, PolicyError
 
 POLICY = Policy()
 BIAS = 0.01  # sigma of the per-process log bias: 1%, well inside what the host path shows

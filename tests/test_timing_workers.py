@@ -1,4 +1,4 @@
-"""The timing worker protocol with real worker processes (``pytest_dflash.measure.workers``):
+"""The timing worker protocol with real worker processes (``pytest_dflash.measure.timing_pool``):
 environment handed over, a job timed with balanced orders and its route hits replayed here, a
 crash and a hang reported as errors naming the gate and the worker's log, never a hang."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dflash.measure.workers import (
+from pytest_dflash.measure.timing_pool import (
     TimingJob,
     TimingPool,
     TimingWorkerError,
@@ -19,7 +19,8 @@ from pytest_dflash.measure.workers import (
     plugin_references,
 )
 from pytest_dflash.native import hits
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
+from pytest_dflash.selftest.timing_worker import worker_plugin
 
 OUTSIDE = "attn.d256.outside_probe"
 
@@ -36,7 +37,7 @@ JOBS = f'''
 import time
 
 from pytest_dflash.native import hits
-from pytest_dflash.measure.workers import TimedPair
+from pytest_dflash.measure.timing_pool import TimedPair
 
 
 def spin(seconds):
@@ -73,8 +74,7 @@ def spec(tmp_path_factory: pytest.TempPathFactory) -> WorkerSpec:
         profile="quick",
         policy=Policy(cpu_sample_min_s=0.0).as_dict(),
         plugins=[shipped.__name__, str(folder / "conftest.py")],
-        selftest_candidates=["gemm.nvfp4.qpn2_packed"],
-        selftest_calibrate=True,
+        worker_plugins=[worker_plugin(["gemm.nvfp4.qpn2_packed"], calibrate=True)],
         sys_path=[str(folder), *sys.path],
     )
 
@@ -178,7 +178,7 @@ def test_a_round_longer_than_the_budget_warms_up_once(pool):
     ],
 )
 def test_rounds_follow_the_time_budget(round_s, minimum, maximum, budget_s, expected):
-    from pytest_dflash.measure.worker import rounds_for
+    from pytest_dflash.measure.timing_child import rounds_for
 
     assert rounds_for(round_s, minimum=minimum, maximum=maximum, budget_s=budget_s) == expected
 
@@ -242,7 +242,8 @@ def test_a_planted_engine_route_is_timed_in_the_workers_as_the_gate_built_it(tmp
 
     spec = WorkerSpec(device="cpu", threads=1, profile="quick", policy=Policy().as_dict(),
                       plugins=[shipped.__name__],
-                      selftest_candidates=["prefill.geometry.fp16_q7920"], selftest_calibrate=True)
+                      worker_plugins=[worker_plugin(["prefill.geometry.fp16_q7920"],
+                                                    calibrate=True)])
     pool = TimingPool(spec, size=2, timeout_s=300.0, log_dir=tmp_path)
     try:
         planted = "prefill.geometry.fp16_q7920~slow_10pct"

@@ -3,7 +3,7 @@
 The JSONL files ship in ``dflash_fixtures/data`` and are read with ``datasets`` (offline: the
 hub is never asked), so a real engine's project can point the same gates at its own JSONL files.
 How much of them a profile uses is declared with every other size in
-``pytest_dflash.session.profiles``.
+``pytest_dflash.policy.profiles``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pytest_dflash.session.profiles import sizes
+from pytest_dflash.policy.profiles import sizes
 
 PPL_FILE = "ppl_segments.jsonl"
 LONG_FILE = "long_contexts.jsonl"

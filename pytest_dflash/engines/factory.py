@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_dflash.engines import close as close_engine
+from pytest_dflash.routes.registry import selection_key
 
 
 class EngineFactory:
@@ -23,7 +24,8 @@ class EngineFactory:
     def __init__(self, registry: Any, profile: str, device: str, *, serve: str | None = None,
                  urls: Mapping[str, str] | None = None, startup_timeout_s: float = 600.0,
                  request_timeout_s: float = 600.0, log_dir: Path | None = None,
-                 hf_model: Path | None = None) -> None:
+                 hf_model: Path | None = None,
+                 base_env: Mapping[str, str] | None = None) -> None:
         if hf_model is not None and (serve or urls):
             raise ValueError("the transformers engine runs in process: give hf_model or a "
                              "server (serve / urls), not both")
@@ -36,7 +38,8 @@ class EngineFactory:
             self.pool = ServerPool(registry, command=serve or None, urls=urls or None,
                                    profile=profile, device=device,
                                    startup_timeout_s=startup_timeout_s,
-                                   request_timeout_s=request_timeout_s, log_dir=log_dir)
+                                   request_timeout_s=request_timeout_s, log_dir=log_dir,
+                                   base_env=base_env)
         self.engines: list[Any] = []
         self._built: dict[tuple[tuple[str, str], ...], Any] = {}
 
@@ -73,7 +76,7 @@ class EngineFactory:
 
     def cached(self, selection: Mapping[str, str]) -> Any:
         """:meth:`build`, once per selection."""
-        key = tuple(sorted(selection.items()))
+        key = selection_key(selection)
         if key not in self._built:
             self._built[key] = self.build(selection)
         return self._built[key]

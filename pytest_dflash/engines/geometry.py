@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pytest_dflash.policy.profiles import SIZES
 from pytest_dflash.routes.vocabulary import PROFILES
-from pytest_dflash.session.profiles import SIZES
 
 # full = the deployment's sizes; ci and quick divide every chunk by the same factor
 # (ProfileSizes.geometry_divisor; kept under this name for code that reads it)

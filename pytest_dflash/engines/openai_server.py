@@ -46,7 +46,7 @@ from pytest_dflash.engines import (
     PrefillResult,
     Sampling,
 )
-from pytest_dflash.xdist import gpus
+from pytest_dflash.routes.registry import selection_key
 
 STOP_LIMIT = 4  # the OpenAI completions API takes at most four stop sequences
 SELECTION_ENV = "DFLASH_ROUTES"  # names of the enabled routes, so a server can check its switches
@@ -133,9 +133,10 @@ def enabled_routes(selection: Mapping[str, str], registry: Any) -> list[str]:
 def server_env(selection: Mapping[str, str], registry: Any, base: Mapping[str, str],
                profile: str | None = None, device: str | None = None) -> dict[str, str]:
     """The environment of a server for ``selection``: ``base`` without any registered route's
-    switch (none leaks in from the caller's shell), then this selection's switches. Started by
-    an xdist worker that owns a GPU, the server sees that GPU only (docs/multi-gpu.md)."""
-    env = gpus.server_env(base)
+    switch (none leaks in from the caller's shell), then this selection's switches. The session
+    builds ``base`` so that a server started by an xdist worker that owns a GPU sees that GPU
+    only (``pytest_dflash.xdist.gpus.server_env``, docs/multi-gpu.md)."""
+    env = dict(base)
     for route in registry:
         env.pop(route.enable_switch, None)
         for key in route.server_env:
@@ -446,7 +447,7 @@ class ServerPool:
         self.closed = False
 
     def engine(self, selection: Mapping[str, str]) -> ServerEngine:
-        key = tuple(sorted(selection.items()))
+        key = selection_key(selection)
         if key not in self.engines:
             if self.urls:
                 url_key(selection, self.registry, self.urls)  # unknown selection: said now
@@ -470,7 +471,7 @@ class ServerPool:
             raise ServerError("the server pool is closed (the session ended)")
         if self.urls:
             return self.urls[url_key(selection, self.registry, self.urls)]
-        key = tuple(sorted(selection.items()))
+        key = selection_key(selection)
         if key in self.failed:  # a server that failed once is not started again
             raise self.failed[key]
         if self.current == key and self.process is not None:
@@ -495,7 +496,7 @@ class ServerPool:
         return process.url
 
     def describe(self, selection: Mapping[str, str], problem: str) -> ServerError:
-        key = tuple(sorted(selection.items()))
+        key = selection_key(selection)
         if self.process is not None and self.current == key:
             return self.process.describe(problem)
         where = self.urls.get(url_key(selection, self.registry, self.urls), "?") \
@@ -923,7 +924,7 @@ class ServerEngine:
         """The switches this selection's server was started with, plus its own counters: read
         live from a server that is running, else as it reported them when it was stopped (a
         proof never starts a server again)."""
-        live = self.pool.current == tuple(sorted(self.selection.items())) or bool(self.pool.urls)
+        live = self.pool.current == selection_key(self.selection) or bool(self.pool.urls)
         counters = self.route_hits() if live else self.pool.last_counters(self.selection)
         api = self.pool.apis.get(self.pool.command or self._url or "")
         return {**self.pool.proof(self.selection), "counters": counters,

@@ -20,7 +20,7 @@ from typing import Any
 from pytest_dflash.evidence import catch, files
 from pytest_dflash.evidence import fingerprint as fp
 from pytest_dflash.evidence.verdict import disagreements, recompute
-from pytest_dflash.session.policy import Policy, PolicyError, policy_from_overrides
+from pytest_dflash.policy.thresholds import Policy, PolicyError, policy_from_overrides
 
 SCHEMA = "pytest-dflash/report/3"
 SCHEMA_FILE = "report.schema.json"
@@ -204,8 +204,9 @@ def _policy(recorded: dict[str, Any], path: Path | str) -> Policy:
     known = {f.name for f in dataclasses.fields(Policy)}
     for name in thresholds:
         if name not in known:
-            raise ReportError(f"{path}: malformed report: field policy.{name} names no threshold "
-                              f"of pytest_dflash.session.policy; known: {', '.join(sorted(known))}")
+            raise ReportError(f"{path}: malformed report: field policy.{name} names no "
+                              "threshold of pytest_dflash.policy.thresholds; known: "
+                              f"{', '.join(sorted(known))}")
     try:
         return policy_from_overrides(thresholds)
     except PolicyError as exc:

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pytest_dflash.session.policy import Policy
+    from pytest_dflash.policy.thresholds import Policy
 
 PASSED, FAILED, PENDING = "passed", "failed", "pending"
 # a timing test whose interval straddles the policy's margin at its cap: it claims neither a

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 _FIRST_BAD = 5  # how many offending indices a message names
 

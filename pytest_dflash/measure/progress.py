@@ -224,12 +224,9 @@ class FileSink:
             log.write(f"{stamp} {text}\n")
 
 
-def _file_sink(config: Any) -> FileSink | None:
+def _file_sink(config: Any, value: str | Path | None) -> FileSink | None:
     """The ``--dflash-progress-log`` sink of this process (``main``, or the xdist worker id),
     or None without the option. An unusable directory is a usage error here, at start."""
-    from pytest_dflash import settings
-
-    value = settings.of(config).progress_log
     if value is None:
         return None
     directory = Path(value)
@@ -245,12 +242,12 @@ def _file_sink(config: Any) -> FileSink | None:
         ) from None
 
 
-def install_for(config: Any) -> None:
+def install_for(config: Any, progress_log: str | Path | None) -> None:
     """Show progress in this pytest session where it should be shown: in the log file of
-    ``--dflash-progress-log`` from now on (every process), and on the terminal from session
-    start (when pytest's terminal reporter exists: it is configured after this plugin; never in
-    an xdist worker)."""
-    log = _file_sink(config)
+    ``--dflash-progress-log`` (``progress_log``, from the settings) from now on (every process),
+    and on the terminal from session start (when pytest's terminal reporter exists: it is
+    configured after this plugin; never in an xdist worker)."""
+    log = _file_sink(config, progress_log)
     sinks: tuple[Sink, ...] = ()
     if log is not None:
         config.pluginmanager.register(log, "dflash-progress-log")

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 RULES: tuple[str, ...] = ("gain", "no_regression")
 OUTCOMES: tuple[str, ...] = ("faster", "neutral", "slower", "inconclusive")

@@ -3,7 +3,7 @@
 Why this module exists: a speed claim is only evidence if both routes were timed the same way,
 interleaved, with the cache state each run would see in production, and if the interval covers
 the variation that a rerun would see. So every speed and validation-cost gate goes through
-:func:`speed_gate`. Given a :class:`~pytest_dflash.measure.workers.TimingJob`, it times the pair
+:func:`speed_gate`. Given a :class:`~pytest_dflash.measure.timing_pool.TimingJob`, it times the pair
 in the run's timing worker processes and decides on an interval across processes
 (``statistics.process_compare``): pass, fail, or inconclusive (the route stays pending). Without a
 job (a gate that can only build its calls in this process) it times rounds here
@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_dflash.measure import progress, workers
+from pytest_dflash.measure import progress, timing_pool
 from pytest_dflash.measure.statistics import (
     PairedResult,
     ProcessResult,
@@ -45,7 +45,7 @@ from pytest_dflash.measure.statistics import (
     process_compare,
     threshold_for,
 )
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 
 class TimingInconclusive(pytest.skip.Exception):  # type: ignore[name-defined,misc]
@@ -213,7 +213,7 @@ def speed_gate(
     label: str,
     before_each: Callable[[], Any] | None = None,
     rule: str = "gain",
-    job: workers.TimingJob | None = None,
+    job: timing_pool.TimingJob | None = None,
 ) -> PairedResult | ProcessResult:
     """Time ``candidate`` against ``baseline`` and pass, fail or leave the gate inconclusive.
 
@@ -226,7 +226,7 @@ def speed_gate(
     passed to ``record`` before the verdict, so a failed gate still reports what it measured.
     """
     load_before = list(os.getloadavg())
-    pool = workers.active()
+    pool = timing_pool.active()
     if job is not None and pool is not None:
         result: PairedResult | ProcessResult = _across_processes(
             pool, job, policy=policy, label=label, rule=rule,
@@ -267,7 +267,7 @@ def process_budget(rule: str, device: torch.device | str, policy: Policy) -> flo
     return policy.timing_process_s
 
 
-def _across_processes(pool: workers.TimingPool, job: workers.TimingJob, *, policy: Policy,
+def _across_processes(pool: timing_pool.TimingPool, job: timing_pool.TimingJob, *, policy: Policy,
                       label: str, rule: str, budget_s: float) -> ProcessResult:
     """The pool's first workers give the first look, each later look the next ones."""
     threshold = threshold_for(rule, policy)
@@ -319,7 +319,7 @@ def _in_process(candidate: Callable[[], Any], baseline: Callable[[], Any], *, po
     return result, {"calls_per_sample": calls}
 
 
-def pair_timers(pair: workers.TimedPair, device: torch.device,
+def pair_timers(pair: timing_pool.TimedPair, device: torch.device,
                 policy: Policy) -> tuple[RoundTimer, dict[str, Any]]:
     """The round timer of a worker's pair (:func:`round_timer`), and how it times (for the
     report).

@@ -23,7 +23,7 @@ from fractions import Fraction
 from itertools import groupby
 from typing import Any
 
-from pytest_dflash.session.policy import Policy
+from pytest_dflash.policy.thresholds import Policy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ costs a child process and an error message, never the session.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -37,7 +38,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pytest_dflash.evidence.fingerprint import sha256_file as file_sha256
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a library file, as the evidence fingerprint records it."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
 
 NAMESPACE = "dflash_d256"
 REQUIRED_OPS: tuple[str, ...] = ("dense", "paged")

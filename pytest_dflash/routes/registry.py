@@ -33,6 +33,12 @@ def resolve(target: str | Callable[..., Any] | None) -> Any:
     return obj
 
 
+def selection_key(selection: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The hashable key of an engine selection (family -> route name), the same for any order
+    of its items: every cache of engines per selection keys on it."""
+    return tuple(sorted(selection.items()))
+
+
 @dataclass(frozen=True)
 class Route:
     """One implementation or setting of a family.

@@ -103,7 +103,7 @@ def calibration(policy: Any) -> tuple[Defect, ...]:
 
 def catalogue(policy: Any) -> tuple[Defect, ...]:
     """Every defect of the catalogue, sized from ``policy`` (a
-    ``pytest_dflash.session.policy.Policy``)."""
+    ``pytest_dflash.policy.thresholds.Policy``)."""
     ops = frozenset({ATTN, GEMM})
     speed = frozenset({ATTN, GEMM, GEOMETRY})
     defects = [

@@ -16,6 +16,7 @@ import pytest
 
 from pytest_dflash import settings
 from pytest_dflash.selftest import catalogue, engine, wrappers
+from pytest_dflash.selftest.timing_worker import worker_plugin
 
 
 class SelftestSession:
@@ -70,10 +71,14 @@ class SelftestSession:
 
 def start(config: pytest.Config, state: Any) -> SelftestSession:
     """Plant the self-test routes of the session's selected candidates and register the
-    self-test's hooks (``state`` is the session's ``pytest_dflash.session.state.DflashState``)."""
+    self-test's hooks (``state`` is the session's ``pytest_dflash.session.state.DflashState``),
+    here and in every timing worker (``timing_worker``)."""
+    originals = [route.name for route in state.candidates()]
     selftest = SelftestSession(config, state.policy)
     selftest.install(state.registry, state.candidates(), state.selected_routes,
                      state.selected_gates)
     state.planted.update(selftest.records)
+    state.worker_plugins.append(
+        worker_plugin(originals, settings.of(config).selftest_calibrate))
     config.pluginmanager.register(selftest, "dflash-selftest")
     return selftest

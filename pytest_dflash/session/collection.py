@@ -3,7 +3,7 @@
 ``@pytest.mark.gate(kind, family=... | route=..., per_size=...)`` is the only thing a gate test
 declares. From it this module parametrizes ``dflash_route`` over the family's candidates that
 require the gate (and are selected), parametrizes ``size`` over the profile's sizes
-(``pytest_dflash.session.profiles``), binds every item to its route and kind for the report, drops
+(``pytest_dflash.policy.profiles``), binds every item to its route and kind for the report, drops
 what
 ``--dflash-gate`` did not ask for, and at setup refuses timing gates inside xdist workers that
 own no GPU and skips SM70-only tests elsewhere (a skip leaves the gate pending, never passed).
@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from pytest_dflash import settings
+from pytest_dflash.policy.profiles import per_size_values
 from pytest_dflash.routes.vocabulary import (
     EXCLUSIVE_KINDS,
     GATE_KINDS,
@@ -25,7 +26,6 @@ from pytest_dflash.routes.vocabulary import (
 from pytest_dflash.session import saved_runs as reporting
 from pytest_dflash.session import shard
 from pytest_dflash.session.environment import device_info, profile_of
-from pytest_dflash.session.profiles import per_size_values
 from pytest_dflash.session.state import bind, binding, state_of
 from pytest_dflash.xdist import plugin as xdist_gpus
 
@@ -110,7 +110,7 @@ def check_setup(item: pytest.Item) -> None:
     off SM70 hardware. A gate test that runs records the GPU that measures it."""
     bound = binding(item)
     if bound and bound["kind"] in EXCLUSIVE_KINDS:
-        refusal = xdist_gpus.timing_refusal(item.config)
+        refusal = xdist_gpus.timing_refusal(item.config, device_info)
         if refusal:
             pytest.skip(f"refused: {bound['kind']} gates {refusal}")
     if item.get_closest_marker("requires_sm70"):
@@ -118,7 +118,7 @@ def check_setup(item: pytest.Item) -> None:
         if reason:
             pytest.skip(f"requires SM70 hardware: {reason}")
     if bound:
-        bound["gpu"] = xdist_gpus.gpu_record(item.config)
+        bound["gpu"] = xdist_gpus.gpu_record(item.config, device_info)
 
 
 def sm70_missing(config: pytest.Config) -> str | None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_dflash import settings
-from pytest_dflash.session.profiles import ProfileSizes, sizes
+from pytest_dflash.policy.profiles import ProfileSizes, sizes
 
 if TYPE_CHECKING:
     import torch
@@ -62,15 +62,6 @@ def torch_device(config: pytest.Config) -> torch.device:
     return torch.device(device_info(config)["type"])
 
 
-def gate_dtype(device: torch.device) -> torch.dtype:
-    """The dtype timed gates run in: fp16 on the GPU (what ships on SM70, which has no bf16),
-    fp32 on the CPU (its native GEMM dtype; CPU fp16 kernels are emulated and would time the
-    emulation)."""
-    import torch
-
-    return torch.float16 if device.type == "cuda" else torch.float32
-
-
 def profile_of(config: pytest.Config) -> str:
     """The session profile: the option, else the ini key, else ``full`` on CUDA, ``ci`` on CPU."""
     if _PROFILE not in config.stash:
@@ -87,7 +78,7 @@ def resolved_profile(config: pytest.Config) -> str | None:
 
 
 def profile_sizes(config: pytest.Config) -> ProfileSizes:
-    """The sizes of the session profile (``pytest_dflash.session.profiles``)."""
+    """The sizes of the session profile (``pytest_dflash.policy.profiles``)."""
     return sizes(profile_of(config))
 
 

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from pytest_dflash import settings
-from pytest_dflash.engines import setup as engine_setup
+from pytest_dflash.measure.gate import GateContext
 from pytest_dflash.native import hits
-from pytest_dflash.routes.registry import Route, RouteRegistry
+from pytest_dflash.policy.thresholds import Policy
+from pytest_dflash.routes.registry import Route, RouteRegistry, selection_key
+from pytest_dflash.session import engine_factory
 from pytest_dflash.session.environment import profile_of, sidecar_path, torch_device
-from pytest_dflash.session.gate import GateContext
-from pytest_dflash.session.policy import Policy
 from pytest_dflash.session.state import binding, state_of
 
 
@@ -95,7 +95,7 @@ def dflash_engine(pytestconfig: pytest.Config) -> Callable[[dict[str, str]], Any
     cache: dict[tuple[tuple[str, str], ...], Any] = {}
 
     def build(selection: dict[str, str]) -> Any:
-        key = tuple(sorted(selection.items()))
+        key = selection_key(selection)
         if key not in cache:
             try:
                 engine = pytestconfig.hook.pytest_dflash_engine(
@@ -105,7 +105,7 @@ def dflash_engine(pytestconfig: pytest.Config) -> Callable[[dict[str, str]], Any
                 pytest.skip(f"the engine cannot run this selection: {exc}")
             if engine is None:
                 raise RuntimeError("no pytest_dflash_engine implementation built an engine")
-            cache[key] = engine_setup.factory_of(pytestconfig).adopt(engine)  # closed at the end
+            cache[key] = engine_factory.factory_of(pytestconfig).adopt(engine)  # closed at the end
         return cache[key]
 
     return build
@@ -116,7 +116,7 @@ def dflash_gate(request: pytest.FixtureRequest, dflash_route: Route,
                 dflash_registry: RouteRegistry, dflash_policy: Policy, dflash_profile: str,
                 dflash_device: Any, dflash_record: Callable[..., None],
                 dflash_engine: Callable[[dict[str, str]], Any]) -> Iterator[GateContext]:
-    """The gate context of this test (``pytest_dflash.session.gate.GateContext``): the candidate,
+    """The gate context of this test (``pytest_dflash.measure.gate.GateContext``): the candidate,
     its
     family's baseline, oracle and verify route, policy, profile and sizes, device and dtype,
     case seeds, ``record(...)`` and the baseline/candidate engines. For a route that runs
@@ -131,8 +131,8 @@ def dflash_gate(request: pytest.FixtureRequest, dflash_route: Route,
                        policy=dflash_policy, profile=dflash_profile, device=dflash_device,
                        record=dflash_record, engine=dflash_engine,
                        data_dir=settings.of(config).data,
-                       servers=lambda: engine_setup.factory_of(config).servers(),
-                       rebuildable=lambda engine: engine_setup.factory_of(config).rebuildable(
+                       servers=lambda: engine_factory.factory_of(config).servers(),
+                       rebuildable=lambda engine: engine_factory.factory_of(config).rebuildable(
                            selftest_engine.unwrapped(engine)))
     if dflash_route.hit_source is None:
         yield gate

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -199,11 +200,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"dflash: {len(cards)} xdist workers, one GPU each ({owned})"]
 
 
-def timing_refusal(config: pytest.Config) -> str | None:
+def timing_refusal(config: pytest.Config,
+                   device_info: Callable[[pytest.Config], dict[str, Any]]) -> str | None:
     """Why a timing gate may not run in this process, or None when it may.
 
     A session without xdist owns its device. An xdist worker may time only on a GPU of its own:
-    on the CPU, or without an assignment, the workers share the device.
+    on the CPU, or without an assignment, the workers share the device. ``device_info`` is the
+    session's (``pytest_dflash.session.environment.device_info``), asked only in a GPU worker.
     """
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return None
@@ -211,8 +214,6 @@ def timing_refusal(config: pytest.Config) -> str | None:
     if gpu is None:
         return ("never share the device with parallel workers; rerun them without -n (or with "
                 "-n0), or on GPUs, one per worker (docs/multi-gpu.md)")
-    from pytest_dflash.session.environment import device_info
-
     info = device_info(config)
     if info["type"] != "cuda":
         return (f"never share the device with parallel workers: this worker owns GPU "
@@ -221,14 +222,14 @@ def timing_refusal(config: pytest.Config) -> str | None:
     return None
 
 
-def gpu_record(config: pytest.Config) -> dict[str, Any] | None:
+def gpu_record(config: pytest.Config,
+               device_info: Callable[[pytest.Config], dict[str, Any]]) -> dict[str, Any] | None:
     """The card that measures this process's tests (index, name, UUID), None on the CPU.
 
     In a GPU worker it is the worker's card; in a one-GPU session it is torch's current device,
     named as ``nvidia-smi`` names it where that is available (so both kinds of run agree).
+    ``device_info`` is the session's (``pytest_dflash.session.environment.device_info``).
     """
-    from pytest_dflash.session.environment import device_info
-
     if device_info(config)["type"] != "cuda":
         return None
     if RECORD not in config.stash:

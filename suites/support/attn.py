@@ -17,7 +17,7 @@ from pytest_dflash.measure.numerics import ParityResult, check_parity, poison_
 from pytest_dflash.native import hits
 
 if TYPE_CHECKING:
-    from pytest_dflash.session.gate import GateContext
+    from pytest_dflash.measure.gate import GateContext
 
 D = 256
 SCALE = D ** -0.5
@@ -133,7 +133,7 @@ class SpeedPair:
 def speed_pair(ctx: Any, *, route: str, t: int) -> Any:
     """Timing-worker builder of the attn.d256 speed gate: one causal prefill of ``t`` tokens,
     candidate and baseline (eager: a prefill is not a graph replay)."""
-    from pytest_dflash.measure.workers import TimedPair
+    from pytest_dflash.measure.timing_pool import TimedPair
 
     pair = SpeedPair(ctx.gate(route, "speed"), t)
     return TimedPair(pair.candidate, pair.baseline)

@@ -93,7 +93,7 @@ def check_prefill_runs(merged: dict[str, Any], label: str) -> tuple[str, int]:
 def cold_prefill_pair(ctx: Any, *, route: str, baseline: str, length: int) -> Any:
     """Timing-worker builder of the prefill.geometry speed gate: cold prefills of ``length``
     prompt tokens on the candidate's and the baseline's engines (eager, one call a sample)."""
-    from pytest_dflash.measure.workers import TimedPair
+    from pytest_dflash.measure.timing_pool import TimedPair
 
     pair = ColdPrefillPair(ctx.engine(baseline), ctx.engine(route), route, length)
     return TimedPair(pair.candidate, pair.baseline, before_each=pair.before_each,
@@ -117,7 +117,7 @@ def speculative_round_pair(ctx: Any, *, route: str, verify_route: str,
     (verify M = 1..validation_max_m after a prefill of the prompt) with the candidate on and
     off, captured as a CUDA graph where the engine allows it (a deployment replays its verify
     steps as graphs; an engine that cannot be captured is timed eagerly, and says why)."""
-    from pytest_dflash.measure.workers import TimedPair
+    from pytest_dflash.measure.timing_pool import TimedPair
 
     enabled, disabled = ctx.engine(route), ctx.engine(verify_route)
     prompt = prompt_ids(prompt_tokens, enabled.encode)

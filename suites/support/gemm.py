@@ -16,15 +16,14 @@ import torch
 from dflash_kernels.gemm import MAX_VERIFY_M, as_gemm_route, poisoned_buffers
 from dflash_kernels.nvfp4 import NVFP4Weight, dequantize, quantize
 from dflash_suites.support import assert_route_ran, check_same_kernels, no_zeros
+from pytest_dflash.measure.gate import case_seed, gate_dtype
 from pytest_dflash.measure.numerics import ParityResult, check_parity
 from pytest_dflash.native import hits
-from pytest_dflash.session.environment import gate_dtype
-from pytest_dflash.session.gate import case_seed
-from pytest_dflash.session.policy import Policy
-from pytest_dflash.session.profiles import sizes
+from pytest_dflash.policy.profiles import sizes
+from pytest_dflash.policy.thresholds import Policy
 
 if TYPE_CHECKING:
-    from pytest_dflash.session.gate import GateContext
+    from pytest_dflash.measure.gate import GateContext
 
 # (K, N) of the target deployment's projections (docs/gates.md, "gemm.nvfp4") and its prefill
 # chunk M (Q3296); profiles divide them by ProfileSizes.gemm_divisor.
@@ -229,7 +228,7 @@ def verify_step_pair(ctx: Any, *, candidate: str, disabled: str, m: int) -> Any:
     """Timing-worker builder of the op-level validation-cost gate: the verify step of width
     ``m`` with ``candidate`` on and off, captured as a CUDA graph where it can be (a deployment
     replays its M <= 8 steps as graphs)."""
-    from pytest_dflash.measure.workers import TimedPair
+    from pytest_dflash.measure.timing_pool import TimedPair
 
     key = (candidate, disabled, ctx.profile, str(ctx.device))
     if _LAST_STEPS.get("key") != key:  # the widths of one gate share their weights
@@ -248,7 +247,7 @@ _LAST_STEPS: dict[str, Any] = {}
 def speed_pair(ctx: Any, *, route: str, layer: str) -> Any:
     """Timing-worker builder of the gemm.nvfp4 speed gate: one projection at the prefill M,
     candidate and baseline (eager: a prefill chunk is not a graph replay)."""
-    from pytest_dflash.measure.workers import TimedPair
+    from pytest_dflash.measure.timing_pool import TimedPair
 
     pair = GemmPair(ctx.gate(route, "speed"), layer)
     return TimedPair(pair.candidate, pair.reference)
@@ -271,7 +270,7 @@ def run_validation_cost(candidate_name: str, candidate: Any, disabled: Any, *, p
     timing worker processes (``verify_step_pair``); without it, in this process.
     """
     from pytest_dflash.measure.timing import TimingInconclusive, speed_gate
-    from pytest_dflash.measure.workers import TimingJob
+    from pytest_dflash.measure.timing_pool import TimingJob
 
     built = VerifySteps(candidate_name, candidate, disabled, policy=policy, profile=profile,
                         device=device)

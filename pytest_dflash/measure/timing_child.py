@@ -1,8 +1,11 @@
-"""The timing worker process (``python -m pytest_dflash.measure.worker``), see ``workers.py``.
+"""The timing worker process, the child (``python -m pytest_dflash.measure.timing_child``); its
+parent's side is ``timing_pool.py``.
 
-It rebuilds the gate's environment from the parent's :class:`~workers.WorkerSpec` (device,
-threads, policy, profile, the routes of the same plugins, the self-test's planted routes), then
-answers jobs: build the pair with the suite's builder, warm it up, time interleaved rounds in a
+It rebuilds the gate's environment from the parent's :class:`~timing_pool.WorkerSpec` (device,
+threads, policy, profile, the routes of the same plugins, the worker plugins the session named,
+such as the self-test's, which plant their routes and wrap their engines through the same
+``pytest_dflash_routes`` and ``pytest_dflash_engine`` hooks as in the session), then answers
+jobs: build the pair with the suite's builder, warm it up, time interleaved rounds in a
 balanced order (as many candidate-first as baseline-first rounds, shuffled by the seed) for the
 job's time budget, and send back the raw durations, the route hits of the timed calls and the
 pair's facts.
@@ -19,53 +22,69 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from pytest_dflash.measure.workers import ALLOCATOR_ENV, PROTOCOL_FD_ENV, TimedPair
+import pluggy
+
+from pytest_dflash.measure.timing_pool import ALLOCATOR_ENV, PROTOCOL_FD_ENV, TimedPair
+from pytest_dflash.routes.registry import selection_key
+
+_hookimpl = pluggy.HookimplMarker("pytest")  # what pytest.hookimpl marks, without pytest
 
 
 class WorkerContext:
-    """What a job's builder gets: the device, the policy, the profile and the route registry."""
+    """What a job's builder gets: the device, the policy, the profile and the route registry.
+
+    It is also the ``config`` a worker plugin's ``pytest_dflash_engine`` receives: its ``hook``
+    asks the worker plugins and then the worker's own engine factory, as ``config.hook`` asks
+    the session's plugins and then the session's factory."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         import torch
 
-        from pytest_dflash.session.policy import Policy
+        from pytest_dflash.policy.thresholds import Policy
 
         self.device = torch.device(spec["device"])
         self.profile: str = spec["profile"]
         self.policy = Policy(**spec["policy"])
         self.threads = int(spec["threads"])
-        self.registry, self.planted = _rebuild_registry(
-            spec["plugins"],
-            spec.get("selftest_candidates"),
-            self.policy,
-            bool(spec.get("selftest_calibrate")),
-        )
         self.hf_model = spec.get("hf_model")
         self._factory: Any = None
-        self._planted_engines: dict[tuple[tuple[str, str], ...], Any] = {}
+        self._engines: dict[tuple[tuple[str, str], ...], Any] = {}
+        self.registry, manager, route_plugins = _rebuild_registry(
+            spec["plugins"], spec.get("worker_plugins") or [], self.policy)
+        manager.register(_DefaultEngine(self), "dflash-worker-engine")
+        # the engine hook of the worker plugins and the factory only: a conftest's own engine
+        # hook was written for the pytest session (its config), and the gate times the engines
+        # it builds in the gate's process (``EngineFactory.rebuildable``)
+        self.hook = SimpleNamespace(pytest_dflash_engine=manager.subset_hook_caller(
+            "pytest_dflash_engine", remove_plugins=route_plugins))
 
     def engine(self, *route_names: str) -> Any:
         """The session's in-process engine (reference, or the transformers engine of the same
         model) running every family's baseline except ``route_names``, built once per
-        selection in this worker, as the gate's process builds it."""
+        selection in this worker, as the gate's process builds it: through the worker plugins'
+        ``pytest_dflash_engine`` (a self-test's planted route: its engine, as the gate built
+        it), else the worker's engine factory."""
+        selection = self.registry.engine_selection(route_names)
+        key = selection_key(selection)
+        if key not in self._engines:
+            engine = self.hook.pytest_dflash_engine(config=self, selection=dict(selection),
+                                                    profile=self.profile)
+            if engine is None:
+                raise RuntimeError(f"no engine was built for {selection} in a timing worker")
+            self._engines[key] = engine
+        return self._engines[key]
+
+    def default_engine(self, selection: dict[str, str]) -> Any:
+        """The worker's own engine of ``selection``, built once by its engine factory."""
         if self._factory is None:
             from pytest_dflash.engines.factory import EngineFactory
 
             self._factory = EngineFactory(
                 self.registry, self.profile, self.device.type,
                 hf_model=Path(self.hf_model) if self.hf_model else None)
-        selection = self.registry.engine_selection(route_names)
-        if self.planted:  # a self-test's planted engine route: its engine, as the gate built it
-            from pytest_dflash.selftest import engine as selftest_engine
-
-            key = tuple(sorted(selection.items()))
-            if key not in self._planted_engines:
-                self._planted_engines[key] = selftest_engine.wrap(
-                    selection, self.planted, self.policy, self._factory.cached)
-            if self._planted_engines[key] is not None:
-                return self._planted_engines[key]
         return self._factory.cached(selection)
 
     def implementation(self, route: str) -> Any:
@@ -75,7 +94,7 @@ class WorkerContext:
     def gate(self, route: str, kind: str) -> Any:
         """A ``GateContext`` of ``route`` and ``kind`` as the gate's test sees it (no engines:
         a job that needs one builds it itself; records are the parent's business)."""
-        from pytest_dflash.session.gate import GateContext
+        from pytest_dflash.measure.gate import GateContext
 
         def no_engine(selection: dict[str, str]) -> Any:
             raise RuntimeError("timing workers build no engines through the gate context")
@@ -92,15 +111,25 @@ class WorkerContext:
         )
 
 
-def _rebuild_registry(
-    plugins: list[str], selftest: list[str] | None, policy: Any, calibrate: bool = False
-) -> tuple[Any, dict[str, Any]]:
-    """The run's route registry, through the same hook and plugins as the pytest run, and the
-    self-test's planted routes by name (registered in it too)."""
-    import pluggy
+class _DefaultEngine:
+    """The worker's last answer to ``pytest_dflash_engine``: its own engine factory."""
 
-    from pytest_dflash.routes.registry import RouteRegistry
-    from pytest_dflash.session import hookspec
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+
+    @_hookimpl(trylast=True)
+    def pytest_dflash_engine(self, config: Any, selection: dict[str, str], profile: str) -> Any:
+        return self.ctx.default_engine(selection)
+
+
+def _rebuild_registry(
+    plugins: list[str], worker_plugins: list[dict[str, Any]], policy: Any
+) -> tuple[Any, Any, list[Any]]:
+    """The run's route registry, through the same hook and plugins as the pytest run and the
+    session's worker plugins (each built as ``factory(policy=..., **kwargs)``: the self-test's
+    plants its routes in that hook, after the others); the plugin manager; the run's plugins."""
+    from pytest_dflash.routes import hookspec
+    from pytest_dflash.routes.registry import RouteRegistry, resolve
 
     class Manager(pluggy.PluginManager):
         # hookspec.py's functions are specs by their name, as pytest's manager reads them
@@ -117,6 +146,7 @@ def _rebuild_registry(
 
     manager = Manager("pytest")
     manager.add_hookspecs(hookspec)
+    route_plugins = []
     for i, ref in enumerate(plugins):
         if ref.endswith(".py"):
             spec = importlib.util.spec_from_file_location(f"_dflash_worker_plugin_{i}", ref)
@@ -127,18 +157,14 @@ def _rebuild_registry(
         else:
             module = importlib.import_module(ref)
         manager.register(module, f"plugin-{i}")
+        route_plugins.append(module)
+    for i, entry in enumerate(worker_plugins):
+        factory = resolve(entry["factory"])
+        manager.register(factory(policy=policy, **entry.get("kwargs", {})), f"worker-plugin-{i}")
     registry = RouteRegistry()
     manager.hook.pytest_dflash_routes(registry=registry)
     registry.validate()
-    planted: dict[str, Any] = {}
-    if selftest:
-        from pytest_dflash.selftest import catalogue, wrappers
-
-        originals = [registry.get(name) for name in selftest]
-        for route in catalogue.plan(originals, registry, policy, calibrate=calibrate):
-            registry.register(wrappers.as_route(route, registry, policy))
-            planted[route.name] = route
-    return registry, planted
+    return registry, manager, route_plugins
 
 
 def _balanced_orders(rounds: int, seed: list[int]) -> list[str]:

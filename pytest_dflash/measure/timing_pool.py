@@ -17,8 +17,9 @@ What a worker times is a *job*: a builder named ``"module:function"`` (defined b
 module, e.g. ``dflash_suites.support.gemm:verify_step_pair``) and JSON keyword arguments. The
 worker calls ``builder(ctx, **kwargs)`` with a :class:`WorkerContext` that holds the device, the
 policy, the profile and the route registry, rebuilt in the worker through the same
-``pytest_dflash_routes`` hook and the same plugins as the pytest run (and the self-test's
-planted routes when it is on); the builder returns a :class:`TimedPair`.
+``pytest_dflash_routes`` hook and the same plugins as the pytest run (and the session's worker
+plugins, such as the self-test's planted routes when it is on); the builder returns a
+:class:`TimedPair`. This module is the parent's side; ``timing_child.py`` is the worker's.
 
 Protocol: JSON lines. The parent writes a job to the worker's stdin; the worker answers on a
 private pipe (its own stdout and stderr go to its log file, so prints of native code cannot
@@ -110,8 +111,10 @@ class WorkerSpec:
     profile: str
     policy: dict[str, Any]
     plugins: list[str]  # module names, or paths of conftest files
-    selftest_candidates: list[str] | None = None  # originals whose planted routes to register
-    selftest_calibrate: bool = False  # the timing calibration set instead of the catalogue
+    # plugins the session adds in every worker (the self-test's, which plants its routes and
+    # wraps their engines): {"factory": "module:callable", "kwargs": JSON}; the worker
+    # registers ``factory(policy=the policy, **kwargs)`` before it asks for the routes
+    worker_plugins: list[dict[str, Any]] = field(default_factory=list)
     # the in-process engine a job may build: None the reference engine, else the directory of
     # the Hugging Face model (--dflash-engine hf:PATH)
     hf_model: str | None = None
@@ -124,8 +127,7 @@ class WorkerSpec:
             "profile": self.profile,
             "policy": self.policy,
             "plugins": list(self.plugins),
-            "selftest_candidates": self.selftest_candidates,
-            "selftest_calibrate": self.selftest_calibrate,
+            "worker_plugins": [dict(entry) for entry in self.worker_plugins],
             "hf_model": self.hf_model,
             "sys_path": list(self.sys_path),
         }
@@ -174,7 +176,7 @@ class _Worker:
             env.setdefault(name, value)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pytest_dflash.measure.worker"],
+                [sys.executable, "-m", "pytest_dflash.measure.timing_child"],
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -25,12 +25,13 @@ def factory_of(config: pytest.Config) -> Any:
         from pytest_dflash.engines.factory import EngineFactory
         from pytest_dflash.session.environment import device_info, profile_of
         from pytest_dflash.session.state import state_of
+        from pytest_dflash.xdist import gpus
 
         asked = settings.of(config)
         factory = EngineFactory(
             state_of(config).registry, profile_of(config), device_info(config)["type"],
             serve=asked.serve, urls=asked.engine_urls, startup_timeout_s=asked.serve_timeout_s,
-            hf_model=asked.hf_model,
+            hf_model=asked.hf_model, base_env=gpus.server_env() if asked.serve else None,
             log_dir=Path(config.rootpath) / ".dflash" / "server-logs" if asked.serve else None)
         config.stash[FACTORY] = factory
     return factory

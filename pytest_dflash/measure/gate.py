@@ -23,13 +23,22 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_dflash.policy.profiles import ProfileSizes, sizes
+from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.families import Family
 from pytest_dflash.routes.registry import Route, RouteRegistry
-from pytest_dflash.session.policy import Policy
-from pytest_dflash.session.profiles import ProfileSizes, sizes
 
 if TYPE_CHECKING:
     import torch
+
+
+def gate_dtype(device: torch.device) -> torch.dtype:
+    """The dtype timed gates run in: fp16 on the GPU (what ships on SM70, which has no bf16),
+    fp32 on the CPU (its native GEMM dtype; CPU fp16 kernels are emulated and would time the
+    emulation)."""
+    import torch
+
+    return torch.float16 if device.type == "cuda" else torch.float32
 
 
 def case_seed(policy: Policy, *parts: object) -> int:
@@ -65,14 +74,12 @@ class GateContext:
     # ------------------------------------------------------------ session
     @property
     def sizes(self) -> ProfileSizes:
-        """The profile's sizes (``pytest_dflash.session.profiles``)."""
+        """The profile's sizes (``pytest_dflash.policy.profiles``)."""
         return sizes(self.profile)
 
     @property
     def dtype(self) -> torch.dtype:
-        """The timed gates' dtype on this device (``environment.gate_dtype``)."""
-        from pytest_dflash.session.environment import gate_dtype
-
+        """The timed gates' dtype on this device (:func:`gate_dtype`)."""
         return gate_dtype(self.device)
 
     def seed(self, *parts: object) -> int:
@@ -155,11 +162,11 @@ class GateContext:
         return engines
 
     def engine_job(self, builder: str, engines: tuple[Any, ...], **kwargs: Any) -> Any:
-        """A :class:`~pytest_dflash.measure.workers.TimingJob` of ``builder`` when a timing
+        """A :class:`~pytest_dflash.measure.timing_pool.TimingJob` of ``builder`` when a timing
         worker can rebuild every one of ``engines`` (the session's in-process reference or
         transformers engine), else None: a server or an engine another plugin built is timed
         in this process, and the report says so (``unit: round (one process)``)."""
-        from pytest_dflash.measure.workers import TimingJob
+        from pytest_dflash.measure.timing_pool import TimingJob
 
         if self._rebuildable is None or not all(self._rebuildable(e) for e in engines):
             return None
