@@ -26,12 +26,12 @@ from pytest_dflash.engines import llamacpp as lc
 PPL_KEYS = (
     "ppl_baseline",
     "ppl_candidate",
-    "max_ppl_delta",
-    "ppl_tolerance",
+    "max_ppl_rel_delta",
+    "ppl_rel_tolerance",
     "bits_per_byte_baseline",
     "bits_per_byte_candidate",
-    "max_byte_ppl_delta",
-    "ppl_byte_tolerance",
+    "max_byte_ppl_rel_delta",
+    "ppl_byte_rel_tolerance",
     "segments",
     "tokens",
     "bytes",
@@ -65,6 +65,7 @@ def figures(report: dict, route: str) -> dict:
             m = tests[0].get("measurements") or {}
             keys = PPL_KEYS if kind == "ppl" else QUALITY_KEYS if kind == "quality" else ()
             item.update({k: m[k] for k in keys if k in m})
+            item["figures"] = [t.get("measurements", {}).get("figure", "") for t in tests]
             if tests[0]["outcome"] != "passed":
                 item["message"] = tests[0].get("message", "")[:600]
             switches = {tuple(s["enabled_routes"]): s["switches"] for s in m.get("servers", [])}

@@ -102,6 +102,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     collection.check_setup(item)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Record whose code a gate test's exception came from (``state.record_raised``) before
+    its report is made, so the record travels with it (also through xdist)."""
+    state.record_raised(item, call)
+    yield
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """One ``dflash:`` header line: device, torch/CUDA, profile, evidence fingerprint."""
     return environment.header_lines(config)

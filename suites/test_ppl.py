@@ -3,9 +3,10 @@
 A route that changes numerics (the fp16 SSM state) must not change what the model predicts: the
 candidate's and the baseline's engines score the same held-out segments (standard-library modules
 never trained on, or ``--dflash-data``), each with the engine's BOS prefix, and the largest
-per-segment perplexity difference must stay within ``policy.ppl_tolerance`` per token and
-``policy.ppl_byte_tolerance`` per byte (tokenizer-independent). Corpus perplexity and bits per
-byte of both are reported.
+per-segment relative change of perplexity, |PPL(candidate) / PPL(baseline) - 1|, must stay
+within ``policy.ppl_rel_tolerance`` per token and ``policy.ppl_byte_rel_tolerance`` per byte
+(tokenizer-independent). A relative change means the same on every model, whatever its own
+perplexity. Corpus perplexity and bits per byte of both are reported.
 
 Those segments are shorter than any prefill chunk, so they never see a chunk seam. The
 long-context test scores held-out contexts (whole modules concatenated) long enough to cross at
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.sm70
 # geometry candidate is compared with the same baseline engine on the same text, and a deterministic
 # engine (the speed gate checks bitwise-equal repeats) scores them the same every time.
 _BASELINE_SCORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# position bands of a long context whose chunk seams nobody declares (a server route)
+SEAMLESS_BANDS = 4
 
 
 def baseline_score(engine, ids: list[int]) -> list[float]:
@@ -61,15 +64,16 @@ def score_segments(engine, segments: list[dict], baseline: bool = False) -> dict
 
 
 def worst_delta(base: list[float], cand: list[float]) -> tuple[int, float]:
-    deltas = [abs(c - b) for c, b in zip(cand, base, strict=True)]
+    """The index and size of the largest relative change |cand / base - 1|."""
+    deltas = [abs(c / b - 1.0) for c, b in zip(cand, base, strict=True)]
     worst = max(range(len(deltas)), key=deltas.__getitem__)
     return worst, deltas[worst]
 
 
 @pytest.mark.gate("ppl", family="prefill.geometry")
 def test_ppl_heldout_segments(dflash_gate):
-    """max per-segment |PPL(candidate) - PPL(baseline)| <= policy.ppl_tolerance per token, and
-    the same per byte <= policy.ppl_byte_tolerance."""
+    """max per-segment |PPL(candidate) / PPL(baseline) - 1| <= policy.ppl_rel_tolerance per
+    token, and the same per byte <= policy.ppl_byte_rel_tolerance."""
     from pytest_dflash.engines.data import ppl_segments
 
     route, policy = dflash_gate.route, dflash_gate.policy
@@ -80,16 +84,15 @@ def test_ppl_heldout_segments(dflash_gate):
     dflash_gate.record_engines(baseline, candidate)
     worst, delta = worst_delta(base["perplexities"], cand["perplexities"])
     worst_b, delta_b = worst_delta(base["byte_perplexities"], cand["byte_perplexities"])
+    tol, tol_b = policy.ppl_rel_tolerance, policy.ppl_byte_rel_tolerance
     dflash_gate.record(
-        figure=f"per token: max per-segment PPL delta {delta:.4f} (tolerance "
-               f"{policy.ppl_tolerance}), PPL {base['perplexity']:.4f} -> "
-               f"{cand['perplexity']:.4f}; per byte: max per-segment delta {delta_b:.4f} "
-               f"(tolerance {policy.ppl_byte_tolerance}), {base['bits_per_byte']:.3f} -> "
-               f"{cand['bits_per_byte']:.3f} bits/byte",
-        max_ppl_delta=delta, ppl_tolerance=policy.ppl_tolerance,
-        max_byte_ppl_delta=delta_b, ppl_byte_tolerance=policy.ppl_byte_tolerance,
-        margin=max(delta / policy.ppl_tolerance if policy.ppl_tolerance else float("inf"),
-                   delta_b / policy.ppl_byte_tolerance if policy.ppl_byte_tolerance
+        figure=f"per token: max per-segment PPL change {delta:.2e} (tolerance {tol:g}), PPL "
+               f"{base['perplexity']:.4f} -> {cand['perplexity']:.4f}; per byte: max change "
+               f"{delta_b:.2e} (tolerance {tol_b:g}), {base['bits_per_byte']:.4f} -> "
+               f"{cand['bits_per_byte']:.4f} bits/byte",
+        max_ppl_rel_delta=delta, ppl_rel_tolerance=tol,
+        max_byte_ppl_rel_delta=delta_b, ppl_byte_rel_tolerance=tol_b,
+        margin=max(delta / tol if tol else float("inf"), delta_b / tol_b if tol_b
                    else float("inf")),
         worst_segment=segments[worst]["id"], worst_segment_bytes=segments[worst_b]["id"],
         ppl_baseline=base["perplexity"], ppl_candidate=cand["perplexity"],
@@ -102,51 +105,53 @@ def test_ppl_heldout_segments(dflash_gate):
         data=str(dflash_gate.data_dir) if dflash_gate.data_dir else "shipped",
     )
     failures = []
-    if delta > policy.ppl_tolerance:
+    if delta > tol:
         failures.append(
             f"segment {segments[worst]['id']} perplexity per token "
             f"{base['perplexities'][worst]:.5f} (baseline {route.baseline}) -> "
-            f"{cand['perplexities'][worst]:.5f}: |delta| {delta:.5f} > tolerance "
-            f"{policy.ppl_tolerance}")
-    if delta_b > policy.ppl_byte_tolerance:
+            f"{cand['perplexities'][worst]:.5f}: change {delta:.4%} > tolerance {tol:.4%}")
+    if delta_b > tol_b:
         failures.append(
             f"segment {segments[worst_b]['id']} perplexity per byte "
             f"{base['byte_perplexities'][worst_b]:.5f} -> "
-            f"{cand['byte_perplexities'][worst_b]:.5f}: |delta| {delta_b:.5f} > tolerance "
-            f"{policy.ppl_byte_tolerance}")
+            f"{cand['byte_perplexities'][worst_b]:.5f}: change {delta_b:.4%} > tolerance "
+            f"{tol_b:.4%}")
     assert not failures, f"{route.name}: " + "; ".join(failures)
-
-
-def chunk_of(engine, impl, profile: str) -> int:
-    """The prefill chunk an engine runs: its own ``chunk`` where it says, else the geometry
-    route's (``impl.chunk(profile)``, the family contract)."""
-    chunk = getattr(engine, "chunk", None)
-    return int(chunk) if chunk else int(impl.chunk(profile))
 
 
 @pytest.mark.gate("ppl", family="prefill.geometry")
 def test_ppl_long_contexts(dflash_gate):
-    """Per position band of each long context, |PPL(candidate) - PPL(baseline)| <=
-    policy.ppl_band_tolerance (before the first seam, after each seam, the tail)."""
+    """Per position band of each long context, |PPL(candidate) / PPL(baseline) - 1| <=
+    policy.ppl_band_rel_tolerance (before the first seam, after each seam, the tail).
+
+    A route whose engine runs a chunk nobody declares (a server route switched through its
+    environment, an outside engine) is scored on equal position bands and the tail instead:
+    the same figures, without seam positions (``seam_bands.declared_chunk``)."""
     from pytest_dflash.engines.data import long_contexts
-    from pytest_dflash.metrics.seam_bands import band_perplexities, bands
+    from pytest_dflash.metrics.seam_bands import (
+        band_perplexities,
+        bands,
+        declared_chunk,
+        even_bands,
+    )
 
     route, policy, profile = dflash_gate.route, dflash_gate.policy, dflash_gate.profile
     baseline, candidate = dflash_gate.require("prompt_logprobs")
-    chunk = chunk_of(candidate, dflash_gate.impl, profile)
-    base_chunk = chunk_of(baseline, dflash_gate.baseline, profile)
-    # three seams of both chunk sizes, and a tail band behind the candidate's last seam
-    need = max(dflash_gate.sizes.ppl_long_tokens,
-               3 * max(chunk, base_chunk) + policy.ppl_band_tokens + 2)
+    chunk = declared_chunk(candidate, route, profile)
+    base_chunk = declared_chunk(baseline, dflash_gate.baseline_route, profile)
+    need = dflash_gate.sizes.ppl_long_tokens
+    if chunk is not None:  # three seams of both chunk sizes, and a tail behind the last seam
+        need = max(need, 3 * max(chunk, base_chunk or 0) + policy.ppl_band_tokens + 2)
     contexts = long_contexts(profile, baseline.encode, need, dflash_gate.data_dir)
     per_context, worst = {}, None
     for context in contexts:
         ids = context["ids"]
-        cuts = bands(len(ids), chunk, policy.ppl_band_tokens)
+        cuts = (bands(len(ids), chunk, policy.ppl_band_tokens) if chunk is not None
+                else even_bands(len(ids), SEAMLESS_BANDS, policy.ppl_band_tokens))
         base = band_perplexities(baseline_score(baseline, ids), cuts)
         cand = band_perplexities(candidate.score(ids), cuts)
         rows = [{"band": b.label, "positions": [b.start, b.end], "ppl_baseline": x,
-                 "ppl_candidate": y, "delta": y - x}
+                 "ppl_candidate": y, "delta": y / x - 1.0}
                 for b, x, y in zip(cuts, base, cand, strict=True)]
         per_context[context["id"]] = rows
         for row in rows:
@@ -155,13 +160,16 @@ def test_ppl_long_contexts(dflash_gate):
     dflash_gate.record_engines(baseline, candidate)
     where, row = worst
     delta = abs(row["delta"])
-    tol = policy.ppl_band_tolerance
-    seams_crossed = min(len(rows) - 2 for rows in per_context.values())
+    tol = policy.ppl_band_rel_tolerance
+    if chunk is not None:
+        seams_crossed = min(len(rows) - 2 for rows in per_context.values())
+        where_seams = f"{seams_crossed} seams of Q{chunk}"
+    else:
+        where_seams = f"chunk not declared: {SEAMLESS_BANDS} position bands"
     dflash_gate.record(
-        figure=f"long contexts ({len(contexts)} x {need} tokens, {seams_crossed} seams of "
-               f"Q{chunk}): max band PPL delta {delta:.4f} (tolerance {tol}) at {where} "
-               f"{row['band']}",
-        max_band_ppl_delta=delta, ppl_band_tolerance=tol,
+        figure=f"long contexts ({len(contexts)} x {need} tokens, {where_seams}): max band "
+               f"PPL change {delta:.2e} (tolerance {tol:g}) at {where} {row['band']}",
+        max_band_ppl_rel_delta=delta, ppl_band_rel_tolerance=tol,
         margin=delta / tol if tol else float("inf"),
         worst_context=where, worst_band=row["band"], context_tokens=need,
         chunk_tokens={"candidate": chunk, "baseline": base_chunk},
@@ -171,4 +179,4 @@ def test_ppl_long_contexts(dflash_gate):
     assert delta <= tol, (
         f"{route.name}: long context {where}, {row['band']} (positions {row['positions']}): "
         f"perplexity {row['ppl_baseline']:.5f} (baseline {route.baseline}) -> "
-        f"{row['ppl_candidate']:.5f}: |delta| {delta:.5f} > tolerance {tol}")
+        f"{row['ppl_candidate']:.5f}: change {delta:.4%} > tolerance {tol:.4%}")

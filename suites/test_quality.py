@@ -109,3 +109,5 @@ def test_quality_heldout_tasks(dflash_gate):
                        contract_violations_candidate=failing,
                        sandbox_isolation=list(isolation))
     assert summary.ok, f"{route.name}: " + "; ".join(summary.reasons)
+    if summary.inconclusive:  # recorded as decision "inconclusive": the gate stays pending
+        pytest.skip(f"{route.name}: {summary.inconclusive}")

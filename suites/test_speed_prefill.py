@@ -44,16 +44,16 @@ def check_agreement(dflash_gate, baseline, candidate, length: int) -> tuple[dict
     import torch
 
     from pytest_dflash.engines.data import prompt_ids
-    from pytest_dflash.metrics.seam_bands import agreement_positions, seams
+    from pytest_dflash.metrics.seam_bands import agreement_positions, declared_chunk, seams
 
     start_s = time.perf_counter()
     policy, rows = dflash_gate.policy, dflash_gate.policy.agreement_rows
     text = prompt_ids(length + rows, baseline.encode)
     ids, cont = text[:length], text[length:]
-    chunks = {
-        name: int(getattr(engine, "chunk", None) or impl.chunk(dflash_gate.profile))
-        for name, engine, impl in (("candidate", candidate, dflash_gate.impl),
-                                   ("baseline", baseline, dflash_gate.baseline))
+    chunks = {  # a chunk nobody declares (a server route) has no seams to look behind
+        name: declared_chunk(engine, route, dflash_gate.profile) or length
+        for name, engine, route in (("candidate", candidate, dflash_gate.route),
+                                    ("baseline", baseline, dflash_gate.baseline_route))
     }
     positions = agreement_positions(length, chunks.values(), rows)
     compute = getattr(candidate, "dtype", None) or dflash_gate.dtype

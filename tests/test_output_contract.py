@@ -249,3 +249,29 @@ def test_mismatched_inputs_are_clear_errors():
     dup = [runs[0], {**runs[1], "task_id": "t0"}]
     with pytest.raises(ValueError, match="task ids repeat"):
         summarize_quality(dup, dup, Policy())
+
+
+@pytest.mark.parametrize(("passes", "decides"), [(0, False), (4, False), (5, True)])
+def test_a_baseline_passing_too_few_tasks_leaves_the_gate_without_power(passes, decides):
+    """Even a candidate failing every task the baseline passes reaches only p = 0.5**passes:
+    over alpha (0.05) for 4 or fewer, so no candidate could be shown worse: inconclusive."""
+    base = [True] * passes + [False] * (20 - passes)
+    summary = summarize_quality(records(base), records(base), Policy())
+    m = summary.measurements
+    assert m["mcnemar_least_p"] == pytest.approx(0.5**passes)
+    assert summary.ok  # nothing failed ...
+    if decides:
+        assert summary.inconclusive is None and m["decision"] == "pass"
+    else:  # ... but an accept would be no evidence
+        assert m["decision"] == "inconclusive"
+        assert f"the baseline passes {passes} of 20 tasks" in summary.inconclusive
+        assert "no power" in summary.figure
+
+
+def test_a_contract_failure_still_fails_a_gate_without_power():
+    base = records([False] * 10)
+    cand = [dict(r) for r in base]
+    cand[0]["contract_ok"] = False
+    summary = summarize_quality(base, cand, Policy())
+    assert not summary.ok and summary.inconclusive is None
+    assert summary.measurements["decision"] == "fail"

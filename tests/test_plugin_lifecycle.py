@@ -185,10 +185,10 @@ def test_xdist_two_workers_one_merged_report_and_speed_refused(toy: pytest.Pytes
 
 
 def test_policy_override_from_pyproject_is_echoed(toy: pytest.Pytester) -> None:
-    toy.makefile(".toml", pyproject="[tool.pytest-dflash]\nppl_tolerance = 0.02\n")
+    toy.makefile(".toml", pyproject="[tool.pytest-dflash]\nppl_rel_tolerance = 0.02\n")
     toy.runpytest("-m", "sm70", *ROUTE).assert_outcomes(passed=2, deselected=1)
     policy = _report(toy)["policy"]
-    assert policy["ppl_tolerance"] == 0.02
+    assert policy["ppl_rel_tolerance"] == 0.02
     assert policy["validation_noise_floor"] == 0.01
     assert policy["output_contract"]["max_same_token_run"] == 48
 
@@ -197,7 +197,16 @@ def test_policy_unknown_key_is_a_usage_error(toy: pytest.Pytester) -> None:
     toy.makefile(".toml", pyproject="[tool.pytest-dflash]\nppl_tolerence = 0.02\n")
     result = toy.runpytest(*ROUTE)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*unknown threshold 'ppl_tolerence'*ppl_tolerance*"])
+    result.stderr.fnmatch_lines(["*unknown threshold 'ppl_tolerence'*ppl_rel_tolerance*"])
+
+
+def test_policy_override_in_the_old_absolute_ppl_unit_is_refused(toy: pytest.Pytester) -> None:
+    """An absolute perplexity tolerance read as a relative one would silently mean 100x more."""
+    toy.makefile(".toml", pyproject="[tool.pytest-dflash]\nppl_tolerance = 0.01\n")
+    result = toy.runpytest(*ROUTE)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*ppl_tolerance: it was an absolute perplexity difference*"
+                                 "set ppl_rel_tolerance instead*"])
 
 
 def test_policy_quality_batch_below_one_is_a_usage_error(toy: pytest.Pytester) -> None:

@@ -46,7 +46,10 @@ def test_failed_write_leaves_the_previous_report_and_no_temporary_file(
 @pytest.mark.parametrize(
     ("outcomes", "status"),
     [([], "pending"), (["passed"], "passed"), (["passed", "skipped"], "pending"),
-     (["passed", "failed"], "failed"), (["skipped", "error"], "failed"), (["skipped"], "pending")],
+     (["passed", "failed"], "failed"), (["skipped"], "pending"),
+     # an error (the harness raised) is its own status; a proven failure outranks it
+     (["skipped", "error"], "error"), (["passed", "error"], "error"),
+     (["error", "failed"], "failed")],
 )
 def test_gate_status_never_counts_a_skip_as_a_pass(outcomes: list[str], status: str) -> None:
     assert gate_status([{"outcome": o} for o in outcomes]) == status

@@ -342,7 +342,7 @@ def test_ppl_shift_raises_each_segment_perplexity_by_twice_the_tolerance(registr
     def ppl(lps):
         return math.exp(-math.fsum(lps) / len(lps))
 
-    assert ppl(shifted) - ppl(base) == pytest.approx(2 * policy.ppl_tolerance, rel=1e-9)
+    assert ppl(shifted) / ppl(base) - 1 == pytest.approx(2 * policy.ppl_rel_tolerance, rel=1e-9)
 
 
 def test_every_fourth_completion_degenerates(registry, inner_engine):

@@ -139,3 +139,64 @@ def test_gates_a_server_cannot_serve_stay_pending_with_the_reason(
     assert all(t["outcome"] == "skipped" and "first_token_hash" in t["message"]
                for t in entry["gates"]["speed"]["tests"])
     result.stdout.fnmatch_lines(["*speed pending*first_token_hash*"])
+
+
+# A server route: the pytest side knows only its name and that it is switched on the server
+# (impl None, as llama.cpp's routes); the geometry object lives in the server's own plugin.
+SERVER_SIDE = '''
+import torch
+
+from pytest_dflash import Route
+from pytest_dflash.engines.geometry import Geometry
+
+FP16_STATE = Geometry("prefill.geometry.srv_fp16", torch.float16, 7920)
+INT8_STATE = Geometry("prefill.geometry.srv_int8", torch.int8, 3296)
+
+
+def pytest_dflash_routes(registry):
+    for name in ("FP16_STATE", "INT8_STATE"):
+        route = globals()[name]
+        registry.register(Route(route.name, "prefill.geometry", "candidate",
+                                baseline="prefill.geometry.fp32_q3296", gates=("ppl",),
+                                impl=f"server_side:{name}"))
+'''
+
+CLIENT_SIDE = '''
+from pytest_dflash import Route
+
+
+def pytest_dflash_routes(registry):
+    for name in ("prefill.geometry.srv_fp16", "prefill.geometry.srv_int8"):
+        registry.register(Route(name, "prefill.geometry", "candidate",
+                                baseline="prefill.geometry.fp32_q3296", gates=("ppl",)))
+'''
+
+
+def test_a_server_route_without_a_geometry_object_is_decided_by_figures(
+        pytester: pytest.Pytester) -> None:
+    """Every model-level gate scores a route it has no object for (impl None): the long
+    contexts are cut into position bands instead of seams, and nothing raises."""
+    pytester.makepyfile(server_side=SERVER_SIDE, client_side=CLIENT_SIDE)
+    pytester.syspathinsert()
+    report_path = pytester.path / "server-routes.json"
+    result = pytester.runpytest(
+        "-p", "client_side", *COMMON, *small_project(pytester), "-m", "ppl",
+        "--dflash-route", "prefill.geometry.srv_fp16",
+        "--dflash-route", "prefill.geometry.srv_int8", "--dflash-report", str(report_path),
+        "--dflash-serve", f"{SERVE} --plugin server_side")
+    report = json.loads(report_path.read_text())
+    for route in ("prefill.geometry.srv_fp16", "prefill.geometry.srv_int8"):
+        tests = gate_tests(report, route, "ppl")
+        assert [t["outcome"] for t in tests if "raised" in t] == [], tests
+        assert len(tests) == 2 and all(t["outcome"] in ("passed", "failed") for t in tests)
+        long = next(t for t in tests if "long_contexts" in t["nodeid"])["measurements"]
+        assert long["chunk_tokens"]["candidate"] is None
+        assert "chunk not declared" in long["figure"]
+        assert len(next(iter(long["bands"].values()))) == 5  # four position bands, the tail
+    assert report["routes"]["prefill.geometry.srv_int8"]["verdict"] == "reject"
+    assert report["routes"]["prefill.geometry.srv_fp16"]["verdict"] == "accept"
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    servers = servers_of(report)
+    assert {tuple(s["enabled_routes"]) for s in servers} >= {
+        ("prefill.geometry.srv_int8",), ("prefill.geometry.srv_fp16",)}
+    assert all(not group_members(s["pid"]) for s in servers)

@@ -58,6 +58,13 @@ def pair(ctx, *, base_s, factor):
 
 def broken(ctx):
     raise ValueError("the builder cannot build this pair")
+
+
+def side_raises(ctx, *, route, side):
+    """A call into the candidate's (or its baseline's) code that raises in the worker."""
+    gate = ctx.gate(route, "speed")
+    impl = gate.impl if side == "candidate" else gate.baseline
+    impl.dense(None, None, None, None, 1.0, True)
 '''
 
 
@@ -193,6 +200,18 @@ def test_a_builder_error_names_the_gate_and_the_log(pool):
             TimingJob("timing_jobs_for_test:broken"), 1, rounds=2, warmup=0, seed=1, label="my gate"
         )
     assert "timing-worker-0.log" in str(info.value)
+
+
+@pytest.mark.parametrize("side", ["candidate", "baseline"])
+def test_whose_code_raised_in_a_worker_travels_back(pool, side):
+    """The candidate's kernel raising in a timing worker rejects it like in the gate's own
+    process; its baseline raising there is the harness's error (measure.origin)."""
+    from pytest_dflash.measure import origin
+
+    job = TimingJob("timing_jobs_for_test:side_raises", {"route": "attn.d256.fa2", "side": side})
+    with pytest.raises(TimingWorkerError) as info:
+        pool.sample(job, 1, rounds=2, warmup=0, seed=1, label="speed gate")
+    assert origin.origin_of(info.value, None) == side.replace("baseline", "harness")
 
 
 def test_a_crashed_worker_is_an_error_naming_the_gate_and_its_log(lone_worker):

@@ -33,6 +33,9 @@ KV_Q4_0 = f"{FAMILY}.llamacpp_kv_q4_0"
 # ggml tensor types (ggml.h, enum ggml_type): what llama_cpp.server's type_k / type_v take
 GGML_Q4_0, GGML_Q8_0 = 2, 8
 N_CTX = 4096  # the tiny model's max_position_embeddings
+# the server's context holds a scored context of N_CTX tokens (the ci profile's long contexts)
+# and the one token the scoring completion generates, which nobody reads
+N_CTX_SERVED = N_CTX + 16
 
 LLAMACPP_ROUTES: tuple[Route, ...] = (
     Route(
@@ -80,7 +83,7 @@ def pytest_dflash_routes(registry) -> None:
         registry.register(route)
 
 
-def serve_command(gguf: str | Path, python: str | None = None, n_ctx: int = N_CTX) -> str:
+def serve_command(gguf: str | Path, python: str | None = None, n_ctx: int = N_CTX_SERVED) -> str:
     """The ``--dflash-serve`` command that serves ``gguf`` with llama_cpp.server on ``{port}``.
 
     Nothing a route switches is on the command line (a command-line value would override the

@@ -46,6 +46,7 @@ from pytest_dflash.engines import (
     PrefillResult,
     Sampling,
 )
+from pytest_dflash.measure import origin
 from pytest_dflash.routes.registry import selection_key
 
 STOP_LIMIT = 4  # the OpenAI completions API takes at most four stop sequences
@@ -647,9 +648,12 @@ class ServerEngine:
             raise EngineUnsupported(f"server for {self.pool.label(self.selection)} has no "
                                     f"{method} {path} (HTTP 404)")
         if response.status_code >= 400:
-            raise self.pool.describe(self.selection, f"answered {method} {path} with HTTP "
-                                                     f"{response.status_code}: "
-                                                     f"{response.text[:500]}")
+            error = self.pool.describe(self.selection, f"answered {method} {path} with HTTP "
+                                                       f"{response.status_code}: "
+                                                       f"{response.text[:500]}")
+            if response.status_code < 500:  # the request was refused as invalid: our request,
+                origin.mark(error, origin.HARNESS)  # not the served candidate, is at fault
+            raise error
         try:
             return response.json()
         except ValueError:

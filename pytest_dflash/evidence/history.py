@@ -28,7 +28,7 @@ INDEX = "index.json"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _STORED = re.compile(r"^(\d{4,})_.*\.json$")
 _VERDICT_RANK = {"reject": 0, "pending": 1, "accept": 2}
-_STATUS_RANK = {"failed": 0, "pending": 1, "absent": 1, "passed": 2}
+_STATUS_RANK = {"failed": 0, "error": 1, "pending": 1, "absent": 1, "passed": 2}
 
 
 class HistoryError(reports.ReportError):

@@ -18,7 +18,7 @@ from pytest_dflash.evidence.verdict import gate_outcome
 FORMATS: tuple[str, ...] = ("text", "markdown", "json")
 SUMMARY_SCHEMA = "pytest-dflash/summary/1"
 _MD_STATUS = {"passed": "pass", "failed": "**FAIL**", "pending": "pending",
-              "inconclusive": "*inconclusive*"}
+              "inconclusive": "*inconclusive*", "error": "**ERROR**"}
 _MD_VERDICT = {"accept": "ACCEPT", "reject": "**REJECT**", "pending": "*PENDING*"}
 
 

@@ -9,7 +9,8 @@ from pytest_dflash.evidence.report import judged
 from pytest_dflash.evidence.verdict import gate_outcome
 from pytest_dflash.routes.vocabulary import GATE_KINDS
 
-_MARK = {"passed": "pass", "failed": "FAIL", "pending": "pending", "inconclusive": "inconcl"}
+_MARK = {"passed": "pass", "failed": "FAIL", "pending": "pending", "inconclusive": "inconcl",
+         "error": "ERROR"}
 
 
 def render(report: dict[str, Any]) -> list[str]:

@@ -11,10 +11,15 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS
+
 if TYPE_CHECKING:
     from pytest_dflash.policy.thresholds import Policy
 
 PASSED, FAILED, PENDING = "passed", "failed", "pending"
+# a test (and its gate) that raised outside the candidate's own code: the harness failed, which
+# proves nothing about the candidate, so the route stays pending (never a reject, never a pass)
+ERROR = "error"
 # a timing test whose interval straddles the policy's margin at its cap: it claims neither a
 # pass nor a regression, so its gate stays pending (docs/gates.md, "Timing protocol")
 INCONCLUSIVE = "inconclusive"
@@ -24,17 +29,22 @@ INTERRUPTED_MESSAGE = "did not finish: the session stopped while it ran"
 # a test of a shard plan whose shard's report never reached the merge (evidence.merge)
 MISSING = "missing"
 ACCEPT, REJECT = "accept", "reject"
-FAILING_OUTCOMES = frozenset({"failed", "error"})
+FAILING_OUTCOMES = frozenset({FAILED})
 
 
 def gate_status(tests: Iterable[Mapping[str, Any]]) -> str:
-    """failed if any test failed; passed only if tests ran and every one passed; else pending.
+    """failed if any test failed; else error if any test errored; passed only if tests ran and
+    every one passed; else pending.
 
     A skipped, inconclusive or interrupted test keeps its gate pending: none counts as a pass.
+    An error (the harness raised, not the candidate) is neither: the gate says ``error``.
+    A failure outranks an error: a defect one test proved stays proven.
     """
     outcomes = [t["outcome"] for t in tests]
     if any(o in FAILING_OUTCOMES for o in outcomes):
         return FAILED
+    if ERROR in outcomes:
+        return ERROR
     if outcomes and all(o == "passed" for o in outcomes):
         return PASSED
     return PENDING
@@ -67,6 +77,7 @@ def gate_figure(tests: list[Mapping[str, Any]], limit: int = 2) -> str:
     """The figures that decided the gate: failures first, then the tests closest to their limit
     (so a passed parity gate shows its worst error, not an arbitrary one)."""
     ordered = sorted(tests, key=lambda t: (t["outcome"] not in FAILING_OUTCOMES,
+                                           t["outcome"] != ERROR,
                                            -margin(t.get("measurements", {}))))
     figures: list[str] = []
     for test in ordered:
@@ -83,6 +94,9 @@ def route_verdict(
     required: Iterable[str], gates: Mapping[str, Mapping[str, Any]]
 ) -> tuple[str, list[str]]:
     """accept / reject / pending with one reason per gate that is not passed.
+
+    A failed gate rejects; a gate in ``error`` (the harness raised) leaves the route pending,
+    with the exception and where it was raised as the reason.
 
     A route that requires no gate stays pending: an accept needs tests that ran and passed
     (the registry refuses such candidates; a report can still carry one, e.g. hand-edited).
@@ -102,6 +116,12 @@ def route_verdict(
             failed = [t for t in gate["tests"] if t["outcome"] in FAILING_OUTCOMES]
             detail = failed[0].get("message") or failed[0]["nodeid"] if failed else ""
             reasons.append(f"{kind} failed: {detail}".rstrip(": "))
+        elif status == ERROR:
+            if verdict == ACCEPT:
+                verdict = PENDING
+            errored = [t for t in gate["tests"] if t["outcome"] == ERROR]
+            detail = (errored[0].get("message") or errored[0]["nodeid"]) if errored else ""
+            reasons.append(f"{kind} ERROR: {detail}".rstrip(": "))
         else:
             if verdict == ACCEPT:
                 verdict = PENDING
@@ -110,7 +130,8 @@ def route_verdict(
             missing = [t for t in gate["tests"] if t["outcome"] == MISSING]
             undecided = [t for t in gate["tests"] if t["outcome"] == INCONCLUSIVE]
             if undecided:
-                reasons.append(f"{kind} pending: inconclusive timing "
+                what = "timing " if kind in EXCLUSIVE_KINDS else ""  # the timed gates
+                reasons.append(f"{kind} pending: inconclusive {what}"
                                f"({undecided[0].get('message') or undecided[0]['nodeid']})")
             elif skipped:
                 reasons.append(f"{kind} pending: skipped ({skipped[0].get('message', '')})")

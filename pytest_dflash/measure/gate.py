@@ -23,9 +23,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_dflash.measure.origin import CandidateCode, candidate_code
 from pytest_dflash.policy.profiles import ProfileSizes, sizes
 from pytest_dflash.policy.thresholds import Policy
-from pytest_dflash.routes.families import Family
+from pytest_dflash.routes.families import Family, contract_calls
 from pytest_dflash.routes.registry import Route, RouteRegistry
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class GateContext:
         self.data_dir = data_dir  # --dflash-data, or None for the shipped held-out data
         self._servers = servers
         self._rebuildable = rebuildable
+        # what counts as the candidate's own code when a test raises (measure.origin)
+        self.candidate_code = CandidateCode()
 
     def __repr__(self) -> str:
         return f"<GateContext {self.kind} {self.route.name} profile={self.profile} " \
@@ -99,8 +102,15 @@ class GateContext:
 
     @cached_property
     def impl(self) -> Any:
-        """The candidate's implementation, checked against the family contract."""
-        return self.family.check(self.route.implementation(), self.route.name)
+        """The candidate's implementation, checked against the family contract.
+
+        What its import raises is the candidate's failure; the contract check is the gate's
+        own (a route without the contract's calls is an error, never a reject)."""
+        with candidate_code():
+            impl = self.route.implementation()
+        calls = contract_calls(self.family.contract) if self.family.contract else ()
+        self.candidate_code.add(impl, calls)
+        return self.family.check(impl, self.route.name)
 
     @cached_property
     def baseline_route(self) -> Route:
@@ -138,8 +148,16 @@ class GateContext:
     # ------------------------------------------------------------ engines (model-level gates)
     def engine(self, *route_names: str) -> Any:
         """An engine running every family's baseline except the named routes (built once per
-        selection and session, through the ``pytest_dflash_engine`` hook)."""
-        return self._engine(self.registry.engine_selection(route_names))
+        selection and session, through the ``pytest_dflash_engine`` hook).
+
+        An engine whose selection enables the candidate is the candidate's code: what its build
+        raises, and what its methods raise later in the test, rejects the candidate."""
+        selection = self.registry.engine_selection(route_names)
+        if self.route.name not in route_names:
+            return self._engine(selection)
+        with candidate_code():
+            engine = self._engine(selection)
+        return self.candidate_code.add(engine)
 
     def engines(self) -> tuple[Any, Any]:
         """(baseline engine, candidate engine): the pair every model-level gate compares."""

@@ -27,6 +27,7 @@ from typing import Any
 
 import pluggy
 
+from pytest_dflash.measure.origin import CandidateCode, origin_of
 from pytest_dflash.measure.timing_pool import ALLOCATOR_ENV, PROTOCOL_FD_ENV, TimedPair
 from pytest_dflash.routes.registry import selection_key
 
@@ -50,6 +51,10 @@ class WorkerContext:
         self.policy = Policy(**spec["policy"])
         self.threads = int(spec["threads"])
         self.hf_model = spec.get("hf_model")
+        # the candidate of the job being timed, and its objects: an exception raised in them is
+        # the candidate's (measure.origin), told to the gate's process with the error
+        self.candidate: str | None = None
+        self.candidate_code = CandidateCode()
         self._factory: Any = None
         self._engines: dict[tuple[tuple[str, str], ...], Any] = {}
         self.registry, manager, route_plugins = _rebuild_registry(
@@ -75,6 +80,8 @@ class WorkerContext:
             if engine is None:
                 raise RuntimeError(f"no engine was built for {selection} in a timing worker")
             self._engines[key] = engine
+        if self.candidate is not None and self.candidate in route_names:
+            self.candidate_code.add(self._engines[key])
         return self._engines[key]
 
     def default_engine(self, selection: dict[str, str]) -> Any:
@@ -99,7 +106,7 @@ class WorkerContext:
         def no_engine(selection: dict[str, str]) -> Any:
             raise RuntimeError("timing workers build no engines through the gate context")
 
-        return GateContext(
+        gate = GateContext(
             route=self.registry.get(route),
             kind=kind,
             registry=self.registry,
@@ -109,6 +116,9 @@ class WorkerContext:
             record=lambda **_: None,
             engine=no_engine,
         )
+        if route == self.candidate:
+            gate.candidate_code = self.candidate_code
+        return gate
 
 
 class _DefaultEngine:
@@ -199,6 +209,8 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
     from pytest_dflash.routes.registry import resolve
 
     start = time.perf_counter()
+    ctx.candidate = message.get("kwargs", {}).get("route")
+    ctx.candidate_code = CandidateCode()
     builder = resolve(message["builder"])
     pair = builder(ctx, **message["kwargs"])
     if not isinstance(pair, TimedPair):
@@ -302,12 +314,13 @@ def main() -> int:
                 time.sleep(float(message.get("seconds", 3600)))
             else:
                 raise ValueError(f"unknown request {op!r}")
-        except Exception:  # noqa: BLE001 - every failure goes back to the gate, named
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the gate, named
             traceback.print_exc()
             send(
                 {
                     "error": traceback.format_exc(limit=8).strip().splitlines()[-1],
                     "traceback": traceback.format_exc(),
+                    "origin": origin_of(exc, ctx.candidate_code if ctx else None),
                 }
             )
     return 0

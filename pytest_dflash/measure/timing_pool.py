@@ -43,6 +43,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from pytest_dflash.measure import origin
+
 if TYPE_CHECKING:  # numpy stays off the plugin's import path
     from pytest_dflash.measure.statistics import ProcessSample
 
@@ -237,10 +239,13 @@ class _Worker:
             if "progress" in answer:
                 continue
             if "error" in answer:
-                raise TimingWorkerError(
+                error = TimingWorkerError(
                     f"{label}: timing worker {self.index} (pid {self.pid}) failed: "
                     f"{answer['error']}\nits log: {self.log_path}"
                 )
+                if answer.get("origin") == origin.CANDIDATE:  # the candidate's code raised there
+                    origin.mark(error, origin.CANDIDATE)
+                raise error
             return answer
 
     def close(self) -> None:

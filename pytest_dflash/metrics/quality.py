@@ -245,6 +245,8 @@ class QualitySummary:
     ok: bool
     reasons: list[str]
     measurements: dict[str, Any]
+    # why the gate cannot decide (no power to show a regression), None where it can
+    inconclusive: str | None = None
 
     @property
     def figure(self) -> str:
@@ -359,9 +361,25 @@ def summarize_quality(
             f"{policy.quality_stop_rate_margin}"
         )
 
+    # Power: the most a candidate could lose is every task the baseline passes (b = those, c =
+    # 0). Where even that is not significant, no candidate could be shown worse: an accept
+    # would be no evidence, so the gate is inconclusive (pending), never a pass.
+    passes = sum(rec["passed"] for rec in base)
+    least_p = mcnemar_regression(passes, 0)
+    inconclusive = None
+    if not reasons and least_p > policy.quality_alpha:
+        inconclusive = (
+            f"no power: the baseline passes {passes} of {n} tasks, so even a candidate failing "
+            f"all of them would reach only McNemar p={least_p:.3g} > alpha "
+            f"{policy.quality_alpha}; a model or task set the baseline passes more of can decide"
+        )
     figure = f"pass@1 {pass_base:.2f} -> {pass_cand:.2f}, McNemar p={p_regression:.2g}"
+    if inconclusive:
+        figure += f" (no power: least possible p={least_p:.2g})"
     measurements = {
         "figure": figure,
+        "decision": "fail" if reasons else "inconclusive" if inconclusive else "pass",
+        "mcnemar_least_p": least_p,
         "tasks": n,
         "pass_at_1_baseline": pass_base,
         "pass_at_1_candidate": pass_cand,
@@ -381,4 +399,5 @@ def summarize_quality(
             for x, y in zip(base, cand, strict=True)
         ],
     }
-    return QualitySummary(ok=not reasons, reasons=reasons, measurements=measurements)
+    return QualitySummary(ok=not reasons, reasons=reasons, measurements=measurements,
+                          inconclusive=inconclusive)

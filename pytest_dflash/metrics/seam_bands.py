@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 def seams(length: int, chunk: int) -> list[int]:
@@ -45,6 +46,32 @@ def bands(length: int, chunk: int, window: int) -> list[Band]:
         end = min(start + window, cuts[n] if n < len(cuts) else scored, scored)
         if end > start:
             out.append(Band(f"after seam {n} (@{start})", start, end))
+    out.append(Band("tail", max(0, scored - window), scored))
+    return out
+
+
+def declared_chunk(engine: Any, route: Any, profile: str) -> int | None:
+    """The prefill chunk an engine runs, where something says: the engine's own ``chunk``
+    (the reference and transformers engines), else the chunk the route declares (its
+    implementation's ``chunk(profile)``, the prefill.geometry contract). None where neither
+    does: a server route switched through ``server_env`` (``impl`` None), an outside engine.
+    Then the seams are unknown and the gates take band figures without seam positions."""
+    chunk = getattr(engine, "chunk", None)
+    if isinstance(chunk, int) and chunk > 0:
+        return chunk
+    declared = getattr(route.implementation(), "chunk", None)
+    return int(declared(profile)) if callable(declared) else None
+
+
+def even_bands(length: int, parts: int, window: int) -> list[Band]:
+    """The position bands of a ``length``-token context whose chunk seams are unknown: ``parts``
+    consecutive bands of equal length, and the last ``window`` positions (the tail, where
+    whatever the engine carries along the context has accumulated)."""
+    scored = length - 1
+    if parts < 1 or scored < parts:
+        raise ValueError(f"cannot cut {scored} scored positions into {parts} bands")
+    edges = [round(scored * k / parts) for k in range(parts + 1)]
+    out = [Band(f"positions {a}-{b - 1}", a, b) for a, b in zip(edges, edges[1:], strict=False)]
     out.append(Band("tail", max(0, scored - window), scored))
     return out
 

@@ -129,8 +129,8 @@ def catalogue(policy: Any) -> tuple[Defect, ...]:
         Defect(f"verify_cost_{_pct(VERIFY_COST)}", "validation_cost", frozenset({GEMM}),
                f"every call {VERIFY_COST:.0%} slower", slowdown=VERIFY_COST),
         Defect("ppl_shift", "ppl", frozenset({GEOMETRY}),
-               f"log-probs shifted so each segment's perplexity rises by 2 x tolerance "
-               f"({2 * policy.ppl_tolerance:g})"),
+               f"log-probs shifted so each segment's perplexity rises by 2 x the relative "
+               f"tolerance ({2 * policy.ppl_rel_tolerance:.2%})"),
         Defect("degenerate", "quality", frozenset({GEOMETRY}),
                f"every {DEGENERATE_EVERY}th completion degenerated (repeated character, no stop)"),
     ]

@@ -66,8 +66,8 @@ class EngineSelftest:
         logprobs = list(self.inner.score(token_ids))
         if self._defect != "ppl_shift" or not logprobs:
             return logprobs
-        ppl = math.exp(-math.fsum(logprobs) / len(logprobs))
-        shift = math.log1p(2 * self.policy.ppl_tolerance / ppl)
+        # every position loses log(1 + 2 x tolerance): the perplexity rises by that factor
+        shift = math.log1p(2 * self.policy.ppl_rel_tolerance)
         return [lp - shift for lp in logprobs]
 
     def generate(self, prompt: str, max_new_tokens: int, stop: list[str] | None = None,

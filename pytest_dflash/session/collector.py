@@ -16,7 +16,15 @@ from pytest_dflash import settings
 from pytest_dflash.evidence import catch, junit
 from pytest_dflash.evidence import report as reports
 from pytest_dflash.evidence.table import render
-from pytest_dflash.evidence.verdict import INCONCLUSIVE, INTERRUPTED, INTERRUPTED_MESSAGE, PASSED
+from pytest_dflash.evidence.verdict import (
+    ERROR,
+    FAILED,
+    INCONCLUSIVE,
+    INTERRUPTED,
+    INTERRUPTED_MESSAGE,
+    PASSED,
+)
+from pytest_dflash.measure import origin
 from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS
 from pytest_dflash.session import saved_runs
@@ -88,8 +96,20 @@ class EvidenceCollector:
             # an expected-failure test that failed anyway raised what its mark does not expect
             # (a planted route that broke the test instead of being judged): an error
             expected = "xfail" in report.keywords
-            test["outcome"] = "failed" if report.when == "call" and not expected else "error"
-            test["message"] = _first_line(report)
+            raised = bound.get("raised")
+            if expected:
+                test["outcome"], test["message"] = ERROR, _first_line(report)
+            elif raised is not None and raised["origin"] == origin.HARNESS:
+                # the harness raised: an error, unless a failure was already proven
+                if test["outcome"] != FAILED:
+                    test["outcome"], test["message"] = ERROR, raised_message(raised)
+                    test["raised"] = raised
+            elif raised is not None:  # the candidate's own code raised: it failed the gate
+                test["outcome"], test["message"] = FAILED, raised_message(raised)
+                test["raised"] = raised
+            else:
+                test["outcome"] = FAILED if report.when == "call" else ERROR
+                test["message"] = _first_line(report)
         elif report.when == "call" and test["outcome"] == INTERRUPTED:
             test["outcome"], test["message"] = PASSED, ""
         junit.flatten(report, PROPERTY, {**bound, "measurements": test["measurements"]})
@@ -145,6 +165,12 @@ class EvidenceCollector:
             for reason in catch.marks(evidence.get("selftest", {})).values():
                 self.problems.append(f"strict mode: {reason}")
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            errors = [f"{name} {kind}" for name, entry in reports.judged(evidence["routes"]).items()
+                      for kind, gate in entry["gates"].items() if gate["status"] == ERROR]
+            if errors:
+                self.problems.append("strict mode: the harness raised (ERROR, not a verdict) in "
+                                     + ", ".join(errors))
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
             pending = [name for name, entry in reports.judged(evidence["routes"]).items()
                        if entry.get("verdict") == "pending"]
             if pending:
@@ -183,6 +209,14 @@ def _policy_echo(policy: Policy) -> dict[str, Any]:
     from pytest_dflash.metrics.quality import CONTRACT
 
     return {**policy.as_dict(), "output_contract": CONTRACT.as_dict()}
+
+
+def raised_message(raised: dict[str, Any]) -> str:
+    """One line for a test's message: whose code raised what, and where."""
+    what = f"{raised['exception']}: {raised.get('message', '')}".rstrip(": ")
+    if raised["origin"] == origin.CANDIDATE:
+        return f"the candidate raised {what} (at {raised['where']})"
+    return f"{what} (raised at {raised['where']}: the harness, not the candidate)"
 
 
 def _first_line(report: pytest.TestReport, limit: int = 400) -> str:

@@ -19,7 +19,7 @@ from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.registry import Route, RouteRegistry, selection_key
 from pytest_dflash.session import engine_factory
 from pytest_dflash.session.environment import profile_of, sidecar_path, torch_device
-from pytest_dflash.session.state import binding, state_of
+from pytest_dflash.session.state import CANDIDATE_CODE, binding, state_of
 
 
 @pytest.fixture
@@ -134,6 +134,7 @@ def dflash_gate(request: pytest.FixtureRequest, dflash_route: Route,
                        servers=lambda: engine_factory.factory_of(config).servers(),
                        rebuildable=lambda engine: engine_factory.factory_of(config).rebuildable(
                            selftest_engine.unwrapped(engine)))
+    request.node.stash[CANDIDATE_CODE] = gate.candidate_code  # read if the test raises
     if dflash_route.hit_source is None:
         yield gate
         return

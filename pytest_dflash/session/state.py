@@ -8,12 +8,13 @@ workers register. A gate test's binding (route, kind, measurements) travels in i
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
 from pytest_dflash import settings
-from pytest_dflash.measure import timing_pool
+from pytest_dflash.measure import origin, timing_pool
 from pytest_dflash.policy.thresholds import Policy, PolicyError, load_policy
 from pytest_dflash.routes import shipped
 from pytest_dflash.routes.registry import RegistryError, Route, RouteRegistry
@@ -26,7 +27,11 @@ from pytest_dflash.session.environment import (
 )
 
 STATE = pytest.StashKey["DflashState"]()
+# the gate context's candidate objects of a test, to tell whose code raised (measure.origin)
+CANDIDATE_CODE = pytest.StashKey[origin.CandidateCode]()
 PROPERTY = "dflash"  # user_properties key: travels with reports through xdist
+# the gate context's candidate objects of a test, to tell whose code raised (measure.origin)
+CANDIDATE_CODE = pytest.StashKey[origin.CandidateCode]()
 
 
 class DflashState:
@@ -162,3 +167,26 @@ def binding(item_or_report: Any) -> dict[str, Any] | None:
         if key == PROPERTY:
             return value
     return None
+
+
+def record_raised(item: pytest.Item, call: pytest.CallInfo[None]) -> None:
+    """Record in a gate test's binding what it raised, if it raised anything but a decision
+    (an assertion, ``pytest.fail``), a skip or an expected failure: the exception, where it
+    was raised and whose code raised it (``measure.origin``). A decision in setup or teardown
+    is a fixture's, so the harness's. The first exception of a test is kept."""
+    bound = binding(item)
+    excinfo = call.excinfo
+    if bound is None or excinfo is None or "raised" in bound:
+        return
+    if excinfo.errisinstance((pytest.skip.Exception, pytest.xfail.Exception)):
+        return
+    if item.get_closest_marker("xfail") is not None:
+        return  # the self-test's planted defects: judged by their own expected-failure rule
+    exc = excinfo.value
+    if call.when == "call" and origin.is_decision(exc):
+        return
+    raised = origin.describe(exc, item.stash.get(CANDIDATE_CODE, None),
+                             root=str(item.config.rootpath))
+    if origin.is_decision(exc):  # past the return above only in setup or teardown: a fixture's
+        raised = dataclasses.replace(raised, origin=origin.HARNESS)
+    bound["raised"] = raised.as_dict()
