@@ -205,8 +205,8 @@ def test_a_builder_error_names_the_gate_and_the_log(pool):
 @pytest.mark.parametrize("side", ["candidate", "baseline"])
 def test_whose_code_raised_in_a_worker_travels_back(pool, side):
     """The candidate's kernel raising in a timing worker rejects it like in the gate's own
-    process; its baseline raising there is the harness's error (measure.origin)."""
-    from pytest_dflash.measure import origin
+    process; its baseline raising there is the harness's error (routes.origin)."""
+    from pytest_dflash.routes import origin
 
     job = TimingJob("timing_jobs_for_test:side_raises", {"route": "attn.d256.fa2", "side": side})
     with pytest.raises(TimingWorkerError) as info:

@@ -46,7 +46,7 @@ from pytest_dflash.engines import (
     PrefillResult,
     Sampling,
 )
-from pytest_dflash.measure import origin
+from pytest_dflash.routes import origin
 from pytest_dflash.routes.registry import selection_key
 
 STOP_LIMIT = 4  # the OpenAI completions API takes at most four stop sequences

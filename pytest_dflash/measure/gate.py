@@ -23,10 +23,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_dflash.measure.origin import CandidateCode, candidate_code
 from pytest_dflash.policy.profiles import ProfileSizes, sizes
 from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.families import Family, contract_calls
+from pytest_dflash.routes.origin import CandidateCode, candidate_code
 from pytest_dflash.routes.registry import Route, RouteRegistry
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class GateContext:
         self.data_dir = data_dir  # --dflash-data, or None for the shipped held-out data
         self._servers = servers
         self._rebuildable = rebuildable
-        # what counts as the candidate's own code when a test raises (measure.origin)
+        # what counts as the candidate's own code when a test raises (routes.origin)
         self.candidate_code = CandidateCode()
 
     def __repr__(self) -> str:

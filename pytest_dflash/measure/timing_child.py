@@ -27,8 +27,8 @@ from typing import Any
 
 import pluggy
 
-from pytest_dflash.measure.origin import CandidateCode, origin_of
 from pytest_dflash.measure.timing_pool import ALLOCATOR_ENV, PROTOCOL_FD_ENV, TimedPair
+from pytest_dflash.routes.origin import CandidateCode, origin_of
 from pytest_dflash.routes.registry import selection_key
 
 _hookimpl = pluggy.HookimplMarker("pytest")  # what pytest.hookimpl marks, without pytest
@@ -52,7 +52,7 @@ class WorkerContext:
         self.threads = int(spec["threads"])
         self.hf_model = spec.get("hf_model")
         # the candidate of the job being timed, and its objects: an exception raised in them is
-        # the candidate's (measure.origin), told to the gate's process with the error
+        # the candidate's (routes.origin), told to the gate's process with the error
         self.candidate: str | None = None
         self.candidate_code = CandidateCode()
         self._factory: Any = None

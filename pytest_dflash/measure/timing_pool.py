@@ -43,7 +43,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from pytest_dflash.measure import origin
+from pytest_dflash.routes import origin
 
 if TYPE_CHECKING:  # numpy stays off the plugin's import path
     from pytest_dflash.measure.statistics import ProcessSample

@@ -24,8 +24,8 @@ from pytest_dflash.evidence.verdict import (
     INTERRUPTED_MESSAGE,
     PASSED,
 )
-from pytest_dflash.measure import origin
 from pytest_dflash.policy.thresholds import Policy
+from pytest_dflash.routes import origin
 from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS
 from pytest_dflash.session import saved_runs
 from pytest_dflash.session.environment import (

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from pytest_dflash import settings
-from pytest_dflash.measure import origin, timing_pool
+from pytest_dflash.measure import timing_pool
 from pytest_dflash.policy.thresholds import Policy, PolicyError, load_policy
-from pytest_dflash.routes import shipped
+from pytest_dflash.routes import origin, shipped
 from pytest_dflash.routes.registry import RegistryError, Route, RouteRegistry
 from pytest_dflash.routes.vocabulary import UnknownNameError, check_kind
 from pytest_dflash.session import shard
@@ -27,10 +27,10 @@ from pytest_dflash.session.environment import (
 )
 
 STATE = pytest.StashKey["DflashState"]()
-# the gate context's candidate objects of a test, to tell whose code raised (measure.origin)
+# the gate context's candidate objects of a test, to tell whose code raised (routes.origin)
 CANDIDATE_CODE = pytest.StashKey[origin.CandidateCode]()
 PROPERTY = "dflash"  # user_properties key: travels with reports through xdist
-# the gate context's candidate objects of a test, to tell whose code raised (measure.origin)
+# the gate context's candidate objects of a test, to tell whose code raised (routes.origin)
 CANDIDATE_CODE = pytest.StashKey[origin.CandidateCode]()
 
 
@@ -172,7 +172,7 @@ def binding(item_or_report: Any) -> dict[str, Any] | None:
 def record_raised(item: pytest.Item, call: pytest.CallInfo[None]) -> None:
     """Record in a gate test's binding what it raised, if it raised anything but a decision
     (an assertion, ``pytest.fail``), a skip or an expected failure: the exception, where it
-    was raised and whose code raised it (``measure.origin``). A decision in setup or teardown
+    was raised and whose code raised it (``routes.origin``). A decision in setup or teardown
     is a fixture's, so the harness's. The first exception of a test is kept."""
     bound = binding(item)
     excinfo = call.excinfo
