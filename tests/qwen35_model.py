@@ -20,9 +20,9 @@ def make_qwen35(path: Path, seed: int = 0, groups: int = 2) -> Path:
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from pytest_dflash.engines.transformers import default_model_dir
+    from pytest_dflash.engines.transformers import llama_model_dir
 
-    llama = default_model_dir()
+    llama = llama_model_dir()
     torch.manual_seed(seed)
     config = Qwen3_5TextConfig(
         vocab_size=2048, hidden_size=128, intermediate_size=256, layer_types=GROUP * groups,

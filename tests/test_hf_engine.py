@@ -1,5 +1,5 @@
-"""The transformers engine against the real library and the real tiny model it ships
-(``dflash_fixtures/hf_model``): tokenizer BOS, chunked scoring over the cache, verify on the
+"""The transformers engine against the real library and the real tiny Llama model the package
+ships (``dflash_fixtures/hf_model``): tokenizer BOS, chunked scoring over the cache, verify on the
 cached prefix, stop strings, route proofs, unsupported routes, and the gates run through
 ``--dflash-engine hf`` in pytester sessions."""
 
@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from pytest_dflash.engines import EngineUnsupported  # noqa: E402
 from pytest_dflash.engines import transformers as hf  # noqa: E402
 
-MODEL = hf.default_model_dir()
+MODEL = hf.llama_model_dir()
 BASE = {"prefill.geometry": hf.BASELINE}
 TEXT = "def lift(pts):\n    return [p + 1 for p in pts]\n" * 12
 

@@ -208,3 +208,18 @@ def test_the_hub_kernels_package_is_not_shadowed(model_dir: Path) -> None:
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert not Path(seen["kernels"]).resolve().is_relative_to(ROOT / "kernels"), seen
     assert seen["served"] == "attn.d256.sdpa"
+
+
+def test_the_default_model_is_a_hybrid_every_family_applies_in() -> None:
+    """``--dflash-engine hf`` without a path: the shipped Qwen3.5-architecture model, on which
+    an attn.d256 route serves the attention layers and the gemm.nvfp4 route every MLP."""
+    path = hf.default_model_dir()
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert config["head_dim"] == 256 and "linear_attention" in config["layer_types"]
+    engine = hf.build(path, {"prefill.geometry": "prefill.geometry.fp16_q7920"}, "quick")
+    engine.prefill(engine.encode(TEXT, add_special_tokens=True))
+    hits = engine.route_hits()
+    assert engine.attention_served_by == "attn.d256.sdpa" and hits["attn.d256.sdpa"] > 0
+    assert engine.mlps == config["num_hidden_layers"] and hits["gemm.nvfp4.turbomind"] > 0
+    assert hits["prefill.geometry.fp16_q7920:state:float16"] > 0

@@ -1,9 +1,10 @@
 """An engine for any local Hugging Face causal LM (docs/engines.md, "Hugging Face transformers").
 
 Selected with ``--dflash-engine hf:PATH`` (ini ``dflash_engine``); ``--dflash-engine hf`` runs
-the tiny Llama-architecture model the package ships (``dflash_fixtures/hf_model``, made by
-``python -m dflash_fixtures.train_hf``). Optional extra ``[hf]``: transformers, tokenizers,
-safetensors; a quantized KV cache also needs a backend (``optimum-quanto``).
+the tiny Qwen3.5-architecture hybrid the package ships (``dflash_fixtures/qwen35_model``, made
+by ``python -m dflash_fixtures.train_qwen35``), on which every shipped family applies. Optional
+extra ``[hf]``: transformers, tokenizers, safetensors; a quantized KV cache also needs a backend
+(``optimum-quanto``).
 
 How it runs the protocol of ``pytest_dflash.engines``:
 
@@ -75,7 +76,17 @@ INSTALL_HINT = "pip install 'pytest-dflash[hf]'"
 
 
 def default_model_dir() -> Path:
-    """The tiny Llama-architecture model the package ships (``dflash_fixtures/hf_model``)."""
+    """The tiny Qwen3.5-architecture model the package ships (``dflash_fixtures/qwen35_model``):
+    gated-DeltaNet layers beside full attention of head dim 256, so every shipped family applies
+    in it."""
+    import dflash_fixtures
+
+    return Path(dflash_fixtures.__file__).resolve().parent / "qwen35_model"
+
+
+def llama_model_dir() -> Path:
+    """The tiny Llama-architecture model the package ships (``dflash_fixtures/hf_model``), the
+    one llama.cpp can convert and serve; its attention head dim (32) takes no attn.d256 route."""
     import dflash_fixtures
 
     return Path(dflash_fixtures.__file__).resolve().parent / "hf_model"
