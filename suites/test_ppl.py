@@ -1,4 +1,4 @@
-"""Perplexity gate of family prefill.geometry (docs/gates.md, "ppl").
+"""Perplexity gate of every family the engine applies (docs/gates.md, "ppl").
 
 A route that changes numerics (the fp16 SSM state) must not change what the model predicts: the
 candidate's and the baseline's engines score the same held-out segments (standard-library modules
@@ -20,6 +20,8 @@ from __future__ import annotations
 import weakref
 
 import pytest
+
+from dflash_suites.support.engine import ENGINE_FAMILIES, Served
 
 pytestmark = pytest.mark.sm70
 
@@ -70,7 +72,7 @@ def worst_delta(base: list[float], cand: list[float]) -> tuple[int, float]:
     return worst, deltas[worst]
 
 
-@pytest.mark.gate("ppl", family="prefill.geometry")
+@pytest.mark.gate("ppl", family=ENGINE_FAMILIES)
 def test_ppl_heldout_segments(dflash_gate):
     """max per-segment |PPL(candidate) / PPL(baseline) - 1| <= policy.ppl_rel_tolerance per
     token, and the same per byte <= policy.ppl_byte_rel_tolerance."""
@@ -80,8 +82,11 @@ def test_ppl_heldout_segments(dflash_gate):
     segments = ppl_segments(dflash_gate.profile, dflash_gate.data_dir)
     baseline, candidate = dflash_gate.require("prompt_logprobs")
     base = score_segments(baseline, segments, baseline=True)
+    served = Served(candidate, route.name)
     cand = score_segments(candidate, segments)
     dflash_gate.record_engines(baseline, candidate)
+    ran = served.check(f"{len(segments)} scored segments")
+    dflash_gate.record(candidate_route_hits=ran)
     worst, delta = worst_delta(base["perplexities"], cand["perplexities"])
     worst_b, delta_b = worst_delta(base["byte_perplexities"], cand["byte_perplexities"])
     tol, tol_b = policy.ppl_rel_tolerance, policy.ppl_byte_rel_tolerance
@@ -119,7 +124,7 @@ def test_ppl_heldout_segments(dflash_gate):
     assert not failures, f"{route.name}: " + "; ".join(failures)
 
 
-@pytest.mark.gate("ppl", family="prefill.geometry")
+@pytest.mark.gate("ppl", family=ENGINE_FAMILIES)
 def test_ppl_long_contexts(dflash_gate):
     """Per position band of each long context, |PPL(candidate) / PPL(baseline) - 1| <=
     policy.ppl_band_rel_tolerance (before the first seam, after each seam, the tail).
@@ -144,6 +149,7 @@ def test_ppl_long_contexts(dflash_gate):
         need = max(need, 3 * max(chunk, base_chunk or 0) + policy.ppl_band_tokens + 2)
     contexts = long_contexts(profile, baseline.encode, need, dflash_gate.data_dir)
     per_context, worst = {}, None
+    served = Served(candidate, route.name)
     for context in contexts:
         ids = context["ids"]
         cuts = (bands(len(ids), chunk, policy.ppl_band_tokens) if chunk is not None
@@ -158,6 +164,7 @@ def test_ppl_long_contexts(dflash_gate):
             if worst is None or abs(row["delta"]) > abs(worst[1]["delta"]):
                 worst = (context["id"], row)
     dflash_gate.record_engines(baseline, candidate)
+    dflash_gate.record(candidate_route_hits=served.check(f"{len(contexts)} scored long contexts"))
     where, row = worst
     delta = abs(row["delta"])
     tol = policy.ppl_band_rel_tolerance

@@ -1,12 +1,16 @@
-"""Cold prefill speed gate of family prefill.geometry (docs/gates.md, "speed").
+"""Cold prefill gate (kind ``prefill``) of every family the engine applies (docs/gates.md,
+"prefill"): model-level prompt throughput, as the seed measured the D256 ops, the QPN2-packed
+large-M path and the prefill geometries (same-card cold 32K / 64K prefill pairs). The op-level
+``speed`` gates time one op of a family; this gate times the whole model's prefill.
 
 For each of the profile's prompt lengths (``ProfileSizes.prefill_lengths``, 32K:64K ratio), the
-candidate geometry's engine and the baseline's prefill the same prompt, interleaved in a
-balanced order, the prefix cache reset before every run (cold), in the run's timing worker
-processes (each rebuilds the session's in-process engine; a server engine is timed in this
-process). Every run of a route, in every process, must yield the same first-token hash and the
-expected chunk count, the candidate's greedy first token must equal the baseline's, and the
-candidate's route hits must prove its chunking really ran. Tokens/s of both go in the report.
+candidate's engine (the candidate switched in, every other family at its baseline) and the
+baseline's prefill the same prompt, interleaved in a balanced order, the prefix cache reset
+before every run (cold), in the run's timing worker processes (each rebuilds the session's
+in-process engine; a server engine is timed in this process). Every run of a route, in every
+process, must yield the same first-token hash and the expected chunk count, the candidate's
+greedy first token must equal the baseline's, and the candidate's route hits must prove that it
+served the calls. Tokens/s of both go in the report.
 
 A fast route is only worth timing if it computes what the baseline computes after the same
 prompt, so before timing, each prompt's cold prefill pair is checked across routes: the greedy
@@ -21,6 +25,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_suites.support.engine import (
+    ENGINE_FAMILIES,
     ColdPrefillPair,
     check_prefill_runs,
     merged_prefill_facts,
@@ -98,7 +103,7 @@ def check_agreement(dflash_gate, baseline, candidate, length: int) -> tuple[dict
     return record, failures
 
 
-@pytest.mark.gate("speed", family="prefill.geometry", per_size="prefill_lengths")
+@pytest.mark.gate("prefill", family=ENGINE_FAMILIES, per_size="prefill_lengths")
 def test_speed_cold_prefill(dflash_gate, size):
     from pytest_dflash.measure.timing import TimingInconclusive, speed_gate
 
@@ -148,7 +153,7 @@ def test_speed_cold_prefill(dflash_gate, size):
     base_hash, base_token = check_prefill_runs(base, f"{route.baseline} @{length}")
     assert ran >= cand["runs"] > 0, (
         f"{route.name} recorded {ran} route hits over {cand['runs']} prefills: the candidate "
-        f"geometry did not run (hits {candidate.route_hits()})")
+        f"did not serve them (hits {candidate.route_hits()})")
     dflash_gate.record(first_token_hash_candidate=cand_hash, first_token_hash_baseline=base_hash,
                        first_token_candidate=cand_token, first_token_baseline=base_token)
     assert cand_token == base_token, (

@@ -75,8 +75,10 @@ def _packed_report(tmp_path: Path) -> Path:
                               policy=Policy().as_dict())
     node = "suites/test_{}.py::test_{}[" + PACKED + "]"
     reports.add_test(data, PACKED, "parity", _test(node.format("parity_gemm", "x"), "passed"))
-    reports.add_test(data, PACKED, "speed", _test(node.format("speed_gemm", "x"), "passed",
-                                                  **_timing(0.9)))
+    reports.add_test(data, PACKED, "prefill", _test(node.format("speed_prefill", "x"), "passed",
+                                                    **_timing(0.9)))
+    for kind in ("ppl", "quality"):
+        reports.add_test(data, PACKED, kind, _test(node.format(kind, "x"), "passed"))
     reports.add_test(data, PACKED, "validation_cost", _test(
         node.format("validation_cost_gemm", "x"), "failed", **_timing(1.013, "no_regression")))
     path = tmp_path / "packed.json"

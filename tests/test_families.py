@@ -15,7 +15,7 @@ from pytest_dflash.routes.shipped import pytest_dflash_routes as shipped_routes
 def _toy(verify_route: str | None = None) -> RouteRegistry:
     registry = RouteRegistry()
     registry.declare(Family("toy.mul", AttnD256, baseline="toy.mul.base", oracle="toy.mul.exact",
-                            verify_route=verify_route))
+                            verify_route=verify_route, gates=("parity", "validation_cost")))
     registry.register(Route("toy.mul.exact", "toy.mul", "oracle"))
     registry.register(Route("toy.mul.base", "toy.mul", "baseline"))
     registry.register(Route("toy.mul.fast", "toy.mul", "candidate", baseline="toy.mul.base",
@@ -142,8 +142,9 @@ def test_per_size_values() -> None:
 
 
 TOY = """
-from pytest_dflash import Route
+from pytest_dflash import Family, Route
 def pytest_dflash_routes(registry):
+    registry.declare(Family("toy.mul", None, baseline="toy.mul.base", gates=("parity",)))
     registry.register(Route("toy.mul.base", "toy.mul", "baseline"))
     registry.register(Route("toy.mul.fast", "toy.mul", "candidate", baseline="toy.mul.base",
                             gates=("parity",)))

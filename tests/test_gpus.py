@@ -181,11 +181,12 @@ import os
 import subprocess
 import sys
 import pytest
-from pytest_dflash import Route
+from pytest_dflash import Family, Route
 from pytest_dflash.xdist import gpus
 IMPORT_TIME_VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 def pytest_dflash_routes(registry):
+    registry.declare(Family("toy.add", None, baseline="toy.add.base", gates=("parity", "speed")))
     registry.register(Route("toy.add.base", "toy.add", "baseline", impl="toyimpl:base"))
     for name in ("toy.add.one", "toy.add.two", "toy.add.three"):
         registry.register(Route(name, "toy.add", "candidate", baseline="toy.add.base",

@@ -292,7 +292,7 @@ def test_llama_cpp_routes_are_gated_through_dflash_serve(pytester, gguf_path):
         "-p",
         "pytest_dflash.engines.llamacpp",
         "-m",
-        "ppl or quality or speed",
+        "ppl or quality or prefill",
         "--dflash-data",
         str(data),
         "--dflash-route",
@@ -308,7 +308,7 @@ def test_llama_cpp_routes_are_gated_through_dflash_serve(pytester, gguf_path):
     for kind in ("ppl", "quality"):
         outcomes = [t["outcome"] for t in entry["gates"][kind]["tests"]]
         assert outcomes and all(o in ("passed", "failed") for o in outcomes), (kind, outcomes)
-    speed = entry["gates"]["speed"]
+    speed = entry["gates"]["prefill"]
     assert speed["status"] == "pending"
     assert all(
         t["outcome"] == "skipped"

@@ -117,6 +117,20 @@ def test_current_status_follows_the_explicit_load():
     assert report == ["missing", True, []]
 
 
+def test_ops_first_verified_inside_inference_mode_are_real():
+    """An engine runs its routes inside ``torch.inference_mode``, so the loader's first check
+    call can happen there. It used to fail there (an in-place update of an inference tensor),
+    leaving the full build "partial" and the fa2 route unusable in every engine."""
+    report = run_child(
+        "import json, warnings, torch; warnings.simplefilter('ignore')\n"
+        "from dflash_kernels.attention import FA2, fa2_status\n"
+        "with torch.inference_mode():\n"
+        "    q = torch.randn(5, 2, 256); kv = torch.randn(7, 1, 256); out = torch.empty_like(q)\n"
+        "    FA2.dense(q, kv, kv, out, 0.0625, True)\n"
+        "print(json.dumps([fa2_status().state, fa2_status().ok]))")
+    assert report == ["bundled", True]
+
+
 def test_loaded_libraries_carry_path_and_sha256():
     lib = build.build_library("full")
     report = run_child(

@@ -7,8 +7,10 @@ route and one with a planted defect:
 | family / gate | correct | planted defect |
 |---|---|---|
 | attn.d256 parity | plain-torch attention | softmax scale 1% off |
+| attn.d256 ppl | plain-torch attention | |
 | gemm.nvfp4 parity | (see below) | output 1% off |
 | gemm.nvfp4 validation_cost | M <= 8 on the small-M kernel | M <= 8 on the large-M kernel |
+| gemm.nvfp4 ppl | M <= 8 on the small-M kernel | output 1% off |
 | prefill.geometry ppl | fp32 state, larger chunk | SSM state stored as int8 |
 | prefill.geometry quality | fp32 state, larger chunk | SSM state stored as bool |
 
@@ -78,10 +80,10 @@ def candidate(name, gates, attr):
 
 def pytest_dflash_routes(registry):
     for route in (
-        candidate("attn.d256.mine", ("parity",), "ATTN_MINE"),
+        candidate("attn.d256.mine", ("parity", "ppl"), "ATTN_MINE"),
         candidate("attn.d256.wrongscale", ("parity",), "ATTN_WRONGSCALE"),
-        candidate("gemm.nvfp4.mine", ("validation_cost",), "GEMM_MINE"),
-        candidate("gemm.nvfp4.offscale", ("parity",), "GEMM_OFFSCALE"),
+        candidate("gemm.nvfp4.mine", ("validation_cost", "ppl"), "GEMM_MINE"),
+        candidate("gemm.nvfp4.offscale", ("parity", "ppl"), "GEMM_OFFSCALE"),
         candidate("gemm.nvfp4.large_verify", ("validation_cost",), "GEMM_LARGE_VERIFY"),
         candidate("prefill.geometry.mine", ("ppl", "quality"), "MINE_GEOMETRY"),
         candidate("prefill.geometry.int8_state", ("ppl",), "INT8_STATE"),
@@ -92,10 +94,11 @@ def pytest_dflash_routes(registry):
 
 # route -> (gate kind it faces, expected gate status)
 EXPECTED = {
-    "attn.d256.mine": {"parity": "passed"},
+    # the model-level gates serve attention and GEMM routes from outside too
+    "attn.d256.mine": {"parity": "passed", "ppl": "passed"},
     "attn.d256.wrongscale": {"parity": "failed"},
-    "gemm.nvfp4.mine": {"validation_cost": "passed"},
-    "gemm.nvfp4.offscale": {"parity": "failed"},
+    "gemm.nvfp4.mine": {"validation_cost": "passed", "ppl": "passed"},
+    "gemm.nvfp4.offscale": {"parity": "failed", "ppl": "failed"},
     "gemm.nvfp4.large_verify": {"validation_cost": "failed"},
     "prefill.geometry.mine": {"ppl": "passed", "quality": "passed"},
     "prefill.geometry.int8_state": {"ppl": "failed"},

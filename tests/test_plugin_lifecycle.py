@@ -12,8 +12,9 @@ import subprocess
 import pytest
 
 CONFTEST = """
-from pytest_dflash import Route
+from pytest_dflash import Family, Route
 def pytest_dflash_routes(registry):
+    registry.declare(Family("toy.add", None, baseline="toy.add.base", gates=("parity", "speed")))
     registry.register(Route("toy.add.base", "toy.add", "baseline", impl="toyimpl:base"))
     registry.register(Route("toy.add.fast", "toy.add", "candidate", baseline="toy.add.base",
                             gates=("parity", "speed"), impl="toyimpl:fast"))

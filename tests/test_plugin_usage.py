@@ -8,8 +8,9 @@ import sys
 import pytest
 
 TOY = """
-from pytest_dflash import Route
+from pytest_dflash import Family, Route
 def pytest_dflash_routes(registry):
+    registry.declare(Family("toy.mul", None, baseline="toy.mul.base", gates=("parity",)))
     registry.register(Route("toy.mul.base", "toy.mul", "baseline"))
     registry.register(Route("toy.mul.fast", "toy.mul", "candidate", baseline="toy.mul.base",
                             gates=("parity",)))
@@ -61,6 +62,20 @@ def test_usage_errors_name_what_exists(project: pytest.Pytester, args: list[str]
         ('registry.register(Route("toy.mul.w", "toy.mul", "candidate", baseline="toy.mul.base"))',
          "*candidate route 'toy.mul.w' declares no gates, so it could never be judged; name the "
          "gates it needs*"),
+        # a kind no test of the family measures: refused before any test runs, not pending
+        ('registry.register(Route("toy.mul.q", "toy.mul", "candidate", baseline="toy.mul.base", '
+         'gates=("parity", "quality")))',
+         "*route 'toy.mul.q' declares gate 'quality', which no test of family 'toy.mul' measures "
+         "(the gate would stay pending forever); the family offers: parity.*"),
+        ('registry.register(Route("gemm.nvfp4.mine", "gemm.nvfp4", "candidate", '
+         'baseline="gemm.nvfp4.turbomind", gates=("parity", "loader")))',
+         "*route 'gemm.nvfp4.mine' declares gate 'loader', which no test of family 'gemm.nvfp4' "
+         "measures*the family offers: parity, speed, prefill, validation_cost, ppl, quality.*"),
+        ('registry.register(Route("toy.div.base", "toy.div", "baseline")); '
+         'registry.register(Route("toy.div.fast", "toy.div", "candidate", '
+         'baseline="toy.div.base", gates=("parity",)))',
+         "*route 'toy.div.fast' declares gates parity, but family 'toy.div' is not declared*"
+         "registry.declare(Family('toy.div', contract, baseline=..., gates=('parity',)))*"),
     ],
 )
 def test_registration_errors(project: pytest.Pytester, extra: str, expected: str) -> None:

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 TOY = """
-from pytest_dflash import Route
+from pytest_dflash import Family, Route
 def pytest_dflash_routes(registry):
+    registry.declare(Family("toy.mul", None, baseline="toy.mul.base", gates=("parity", "speed")))
     registry.register(Route("toy.mul.base", "toy.mul", "baseline"))
     registry.register(Route("toy.mul.fast", "toy.mul", "candidate", baseline="toy.mul.base",
                             gates=("parity", "speed")))

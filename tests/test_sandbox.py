@@ -684,8 +684,9 @@ def test_unencodable_program_is_a_clear_error():
 # ------------------------------------------------------------------------ the pytest option
 
 _TOY_CONFTEST = """
-from pytest_dflash import Route
+from pytest_dflash import Family, Route
 def pytest_dflash_routes(registry):
+    registry.declare(Family("toy.add", None, baseline="toy.add.base", gates=("parity",)))
     registry.register(Route("toy.add.base", "toy.add", "baseline"))
     registry.register(Route("toy.add.fast", "toy.add", "candidate", baseline="toy.add.base",
                             gates=("parity",)))

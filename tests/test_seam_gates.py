@@ -145,7 +145,7 @@ ENGINES = {SEAM_ZEROED.name: seam_defects.StateZeroedAtSeams,
 def pytest_dflash_routes(registry):
     for geometry in (SEAM_ZEROED, LAST_KV_DROPPED, seam_defects.BF16_Q7920, seam_defects.FP8_Q7920):
         registry.register(Route(geometry.name, "prefill.geometry", "candidate", baseline=BASE,
-                                gates=("ppl", "speed"), impl=geometry))
+                                gates=("ppl", "prefill"), impl=geometry))
 
 
 def pytest_dflash_engine(config, selection, profile):
@@ -157,8 +157,8 @@ def pytest_dflash_engine(config, selection, profile):
                              factory.device, registry=factory.registry))
 """
 
-# route -> {test: expected outcome}; "agreement" is the cold-prefill speed test, whose agreement
-# check runs before its timing (the timing outcome depends on the machine and is not asserted)
+# route -> {test: expected outcome}; "agreement" is the cold-prefill test (prefill gate), whose
+# agreement check runs before its timing (the timing outcome depends on the machine: not asserted)
 EXPECTED = {
     "prefill.geometry.fp32_q6592": {"long_contexts": "passed", "agreement": "passed"},
     "prefill.geometry.seam_zeroed": {"long_contexts": "failed", "agreement": "failed"},
@@ -180,7 +180,7 @@ def test_seam_defects_are_caught_and_a_correct_route_passes(pytester: pytest.Pyt
     report = pytester.path / "seam-report.json"
     selected = [arg for name in EXPECTED for arg in ("--dflash-route", name)]
     result = pytester.runpytest(
-        "-p", "seam_routes", "--pyargs", "dflash_suites", *selected, "-m", "ppl or speed",
+        "-p", "seam_routes", "--pyargs", "dflash_suites", *selected, "-m", "ppl or prefill",
         "-k", " or ".join(NODE.values()), "--dflash-profile", "quick",
         "--dflash-report", str(report), "-p", "no:cacheprovider",
     )  # fmt: skip

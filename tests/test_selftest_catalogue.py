@@ -17,7 +17,7 @@ from pytest_dflash.evidence import catch as summary
 from pytest_dflash.native import hits
 from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.registry import RouteRegistry
-from pytest_dflash.routes.shipped import SHIPPED_ROUTES
+from pytest_dflash.routes.shipped import pytest_dflash_routes as shipped_routes
 from pytest_dflash.selftest import catalogue, wrappers
 from pytest_dflash.selftest.catalogue import Planted, plan
 
@@ -25,8 +25,7 @@ from pytest_dflash.selftest.catalogue import Planted, plan
 @pytest.fixture
 def registry() -> RouteRegistry:
     reg = RouteRegistry()
-    for route in SHIPPED_ROUTES:
-        reg.register(route)
+    shipped_routes(reg)
     return reg
 
 
@@ -40,27 +39,47 @@ def test_catalogue_plants_every_gate_kind_of_each_shipped_candidate(registry):
     for p in planned:
         by_route.setdefault(p.original.name, set()).add(p.key)
     slow = {"slow_1pct", "slow_3pct", "slow_10pct"}
+    prefill = {"prefill_slow_1pct", "prefill_slow_3pct", "prefill_slow_10pct"}
     assert by_route["attn.d256.fa2"] == {"copy", "out_scaled", "row_unwritten", "gqa_heads",
-                                         "paged_block_off", *slow}
+                                         "paged_block_off", *slow, *prefill}
+    # and the family's verify route behind the wrapper, for the planted validation_cost gates
     assert by_route["gemm.nvfp4.qpn2"] == {"copy", "out_scaled", "row_unwritten",
-                                           "k_group_dropped"}
+                                           "k_group_dropped", "passthrough"}
+    assert by_route["gemm.nvfp4.qpn4_bounded"] == {"copy", "out_scaled", "row_unwritten",
+                                                   "k_group_dropped", *slow}
+    # the seed's plan for QPN2-packed: no op-level speed, the model-level gates instead
     assert by_route["gemm.nvfp4.qpn2_packed"] == {"copy", "out_scaled", "row_unwritten",
-                                                  "k_group_dropped", *slow, "verify_path",
-                                                  "verify_cost_2pct"}
-    assert by_route["prefill.geometry.fp16_q7920"] == {"copy", *slow, "ppl_shift", "degenerate"}
+                                                  "k_group_dropped", *prefill, "verify_path",
+                                                  "verify_cost_2pct", "ppl_shift", "degenerate",
+                                                  "scale_slip"}
+    assert by_route["prefill.geometry.fp16_q7920"] == {"copy", *prefill, "ppl_shift",
+                                                       "degenerate"}
     for p in planned:
-        assert p.gates == ((p.defect.kind,) if p.defect else
-                           tuple(k for k in p.original.gates if k != "loader"))
+        if p.pass_through:
+            assert p.gates == () and not p.engine_level
+            continue
+        expected = (tuple(k for k in (p.defect.kind, *p.defect.also) if k in p.original.gates)
+                    if p.defect else tuple(k for k in p.original.gates if k != "loader"))
+        assert p.gates == expected
         # a slowdown relative to the baseline: the served code is the baseline's
-        if p.defect and p.defect.kind == "speed":
+        if p.defect and p.defect.kind in ("speed", "prefill"):
             assert p.serves.name == p.original.baseline
         else:
             assert p.serves is p.original
+        # the model's predictions moved, so the model-level gates must catch it
+        if p.key == "scale_slip":
+            assert p.gates == ("ppl", "prefill")
+        # engine-level: every planted geometry route and the model-level defects
+        assert p.engine_level == (p.original.family == "prefill.geometry" or p.key in (
+            *prefill, "ppl_shift", "degenerate"))
 
 
 def test_slowdown_rungs_follow_the_policy(registry):
-    keys = {d.key for d in catalogue.catalogue(Policy(speed_min_gain=0.02)) if d.kind == "speed"}
-    assert keys == {"slow_2pct", "slow_3pct", "slow_10pct"}
+    defects = catalogue.catalogue(Policy(speed_min_gain=0.02))
+    assert {d.key for d in defects if d.kind == "speed"} == {"slow_2pct", "slow_3pct",
+                                                             "slow_10pct"}
+    assert {d.key for d in defects if d.kind == "prefill"} == {
+        "prefill_slow_2pct", "prefill_slow_3pct", "prefill_slow_10pct"}
 
 
 def test_planted_routes_are_ordinary_candidates(registry):
@@ -195,6 +214,50 @@ def test_verify_path_defect_sends_verify_widths_to_the_baseline_path(registry):
             impl.gate_up(x, prepared)
         assert delta.route(expect) >= 1, (m, delta.as_json())
         assert delta.route("gemm.nvfp4.qpn2") == 0, (m, delta.as_json())
+
+
+def test_scale_slip_passes_the_parity_cases_and_moves_the_models_predictions(registry):
+    """The planted scale slip is the defect op-level parity cannot see: no parity case of any
+    profile has the slipped weight's shape, and the real parity rule passes the planted route
+    on the quick profile's cases; in the reference model it is layer 0's down projection, and
+    the next-token distribution moves."""
+    from dflash_suites.support.gemm import (
+        ODD_SHAPE,
+        TARGET_LAYERS,
+        large_m,
+        layer_shape,
+        make_weight,
+        make_x,
+        parity_case,
+    )
+    from pytest_dflash.engines import reference
+    from pytest_dflash.routes.vocabulary import PROFILES
+
+    parity_shapes = {(n, k) for profile in PROFILES for layer in TARGET_LAYERS
+                     for k, n in [layer_shape(layer, profile)]} | {ODD_SHAPE[::-1]}
+    assert catalogue.SLIP_SHAPE not in parity_shapes
+    name = "gemm.nvfp4.qpn2_packed~scale_slip"
+    impl = _gemm(registry, "scale_slip")
+    oracle = registry.get("gemm.nvfp4.oracle").implementation()
+    base = registry.get("gemm.nvfp4.turbomind").implementation()
+    for layer in TARGET_LAYERS:
+        k, n = layer_shape(layer, "quick")
+        w = make_weight(n, k, seed=3, device=torch.device("cpu"))
+        x = make_x(large_m("quick"), k, seed=4, dtype=torch.float32, device=torch.device("cpu"))
+        result = parity_case(name, impl, oracle, base, w, x, gated=layer == "gate_up",
+                             policy=Policy(), label=layer)
+        assert result.ok, result
+    for p in plan([registry.get("gemm.nvfp4.qpn2_packed")], registry, Policy()):
+        registry.register(wrappers.as_route(p, registry, Policy()))
+    registry.validate()
+    with hits.counting() as delta:
+        slipped = reference.build({"gemm.nvfp4": name}, "quick", registry=registry)
+    assert delta.as_json() == {f"{name}/scale_slip": 1}  # one weight of the whole model
+    clean = reference.build({"gemm.nvfp4": "gemm.nvfp4.qpn2_packed"}, "quick",
+                            registry=registry)
+    ids = [256, *clean.encode("def add(a, b):\n    return a + b\n")]
+    moved = max(abs(a - b) for a, b in zip(slipped.score(ids), clean.score(ids), strict=True))
+    assert moved > 0.05  # nats of some token's log-probability
 
 
 # ---------------------------------------------------------------- validation_cost: both sides
@@ -358,11 +421,11 @@ def test_every_fourth_completion_degenerates(registry, inner_engine):
 
 
 def test_engine_hits_carry_the_planted_name(registry, inner_engine):
-    eng = _engine(registry, inner_engine, "slow_3pct")
-    before = eng.route_hits().get("prefill.geometry.fp16_q7920~slow_3pct", 0)
+    eng = _engine(registry, inner_engine, "prefill_slow_3pct")
+    before = eng.route_hits().get("prefill.geometry.fp16_q7920~prefill_slow_3pct", 0)
     eng.reset_prefix_cache()
     eng.prefill([256, 1, 2, 3])
-    assert eng.route_hits()["prefill.geometry.fp16_q7920~slow_3pct"] > before
+    assert eng.route_hits()["prefill.geometry.fp16_q7920~prefill_slow_3pct"] > before
     assert "prefill.geometry.fp32_q3296" not in eng.route_hits()
 
 

@@ -79,6 +79,28 @@ def test_model_level_defects_are_caught(pytester: pytest.Pytester) -> None:
     _assert_all_caught(report["selftest"], "prefill.geometry.fp16_q7920", {"ppl", "quality"})
 
 
+def test_a_gemm_defect_only_the_model_sees_is_caught_by_the_model_level_gates(
+        pytester: pytest.Pytester) -> None:
+    """qpn2_packed's engine-level defects and the scale slip of one projection of one layer,
+    which the op-level parity cases pass (test_selftest_catalogue.py): the ppl gate catches
+    both ppl defects, and the prefill gate's cross-route agreement check catches the slip
+    before any timing (the timed defects, -k'd out here, are the speed gates' business)."""
+    result, report = _run(pytester, "-m", "sm70", "-k", "scale_slip or ppl_shift",
+                          "--dflash-gate", "gemm.nvfp4.qpn2_packed:ppl",
+                          "--dflash-gate", "gemm.nvfp4.qpn2_packed:prefill")
+    section = report["selftest"]["routes"]["gemm.nvfp4.qpn2_packed"]
+    assert {d["key"]: d["status"] for d in section["ppl"]["defects"]} == {
+        "scale_slip": "caught", "ppl_shift": "caught"}
+    prefill = {d["key"]: d["status"] for d in section["prefill"]["defects"]}
+    assert prefill["scale_slip"] == "caught"
+    slip = report["routes"]["gemm.nvfp4.qpn2_packed~scale_slip"]
+    assert slip["required"] == ["ppl", "prefill"] and slip["verdict"] == "reject"
+    tests = slip["gates"]["prefill"]["tests"]
+    assert tests and all(t["outcome"] == "failed" and "after the same cold prefill as"
+                         in t["message"] for t in tests)
+    result.stdout.fnmatch_lines(["*dflash self-test*"])
+
+
 def test_validation_cost_defects_are_caught(pytester: pytest.Pytester) -> None:
     """Only the planted defects run (``-k``), at the ci profile's sizes: a quick-profile
     verify step lasts tens of microseconds, of which the op calls that the planted busy wait

@@ -131,14 +131,14 @@ def test_gates_a_server_cannot_serve_stay_pending_with_the_reason(
         pytester: pytest.Pytester) -> None:
     report = pytester.path / "pending.json"
     result = pytester.runpytest(
-        *COMMON, "--dflash-gate", f"{FP16}:speed", "--dflash-report", str(report),
+        *COMMON, "--dflash-gate", f"{FP16}:prefill", "--dflash-report", str(report),
         "--dflash-serve", SERVE, "-rs")
     assert result.ret == pytest.ExitCode.OK
     entry = json.loads(report.read_text())["routes"][FP16]
-    assert entry["gates"]["speed"]["status"] == "pending"
+    assert entry["gates"]["prefill"]["status"] == "pending"
     assert all(t["outcome"] == "skipped" and "first_token_hash" in t["message"]
-               for t in entry["gates"]["speed"]["tests"])
-    result.stdout.fnmatch_lines(["*speed pending*first_token_hash*"])
+               for t in entry["gates"]["prefill"]["tests"])
+    result.stdout.fnmatch_lines(["*prefill pending*first_token_hash*"])
 
 
 # A server route: the pytest side knows only its name and that it is switched on the server

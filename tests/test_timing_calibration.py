@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_dflash.routes.families import Family
 from pytest_dflash.routes.registry import RegistryError, Route, RouteRegistry
 from pytest_dflash.selftest import repeat
 
@@ -54,6 +55,7 @@ def test_repeat_counts_pass_inconclusive_fail_per_planted_route():
 
 def test_hit_source_must_be_a_route_of_the_same_family():
     registry = RouteRegistry()
+    registry.declare(Family("a.b", None, baseline="a.b.base", gates=("speed",)))
     registry.register(Route("a.b.base", "a.b", "baseline", impl="m:x"))
     registry.register(
         Route(

@@ -9,9 +9,10 @@ import xml.etree.ElementTree as ET
 import pytest
 
 CONFTEST = """
-from pytest_dflash import Route
+from pytest_dflash import Family, Route
 
 def pytest_dflash_routes(registry):
+    registry.declare(Family("toy.spin", None, baseline="toy.spin.base", gates=("speed",)))
     registry.register(Route("toy.spin.base", "toy.spin", "baseline", impl="toyjobs:BASE"))
     registry.register(Route("toy.spin.slow", "toy.spin", "candidate", baseline="toy.spin.base",
                             gates=("speed",), impl="toyjobs:SLOW"))

@@ -7,7 +7,7 @@ server of a selection (``Route.server_env``): llama_cpp.server reads its setting
 environment where its command line leaves them out (``FLASH_ATTN``, ``N_UBATCH``, ``TYPE_K``,
 ``TYPE_V``), so the command stays the same for every selection and the switches are llama.cpp's.
 
-The routes join the ``prefill.geometry`` family, whose ppl, quality and prefill-speed gates they
+The routes join the ``prefill.geometry`` family, whose ppl, quality and prefill gates they
 need: they are the served engine's numerics and prefill geometry, as the shipped geometry routes
 are the reference engine's. The baseline selection is llama.cpp's defaults (no switch set:
 flash attention off, ``n_ubatch`` 512, f16 KV cache). llama.cpp quantizes the V cache only with
@@ -52,7 +52,7 @@ LLAMACPP_ROUTES: tuple[Route, ...] = (
         FAMILY,
         "candidate",
         baseline=BASELINE,
-        gates=("speed", "ppl", "quality"),
+        gates=("prefill", "ppl", "quality"),
         server_env={"N_UBATCH": "64"},
         description="llama.cpp prefill in physical batches of 64 tokens (default 512)",
     ),

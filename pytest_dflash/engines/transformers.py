@@ -220,9 +220,9 @@ def _route(
 # Candidates of the transformers engine; their baseline is the family's (sdpa attention, the
 # checkpoint in float32, a dynamic cache, chunks of 3296 / the profile's divisor).
 ROUTES: tuple[Route, ...] = (
-    _route("EAGER", ("ppl", "quality", "speed"), "transformers eager attention (baseline sdpa)"),
-    _route("BF16", ("ppl", "quality", "speed"), "compute in bfloat16 (baseline float32)"),
-    _route("Q824", ("ppl", "speed"), "prefill chunks a quarter of the baseline's"),
+    _route("EAGER", ("ppl", "quality", "prefill"), "transformers eager attention (baseline sdpa)"),
+    _route("BF16", ("ppl", "quality", "prefill"), "compute in bfloat16 (baseline float32)"),
+    _route("Q824", ("ppl", "prefill"), "prefill chunks a quarter of the baseline's"),
     _route("STATIC_CACHE", ("ppl", "quality"), "transformers StaticCache (baseline DynamicCache)"),
     _route(
         "KV_QUANTO_INT4",

@@ -270,7 +270,10 @@ def _verify(op: str, device: str) -> dict[str, Any]:
     dtypes = _CHECK_DTYPES.get(torch.device(device).type, _CHECK_DTYPES["cpu"])
     for dtype, tolerance in dtypes:
         try:
-            err = _tiny_call_error(op, torch.device(device), dtype)
+            # the check is the same whatever mode the first caller is in: an engine first calls
+            # a route's op inside inference mode, whose tensors the check must not mix with its own
+            with torch.inference_mode(False):
+                err = _tiny_call_error(op, torch.device(device), dtype)
         except Exception as exc:  # noqa: BLE001 - any failure of the op means "not verified"
             return {"present": True, "verified": False,
                     "error": f"{qualified} failed its {dtype} check call on {device}: "

@@ -117,7 +117,7 @@ class Policy:
     # seam, the ppl_band_tokens positions after each seam, the last ppl_band_tokens)
     ppl_band_rel_tolerance: float = PPL_REL_TOLERANCE
     ppl_band_tokens: int = 128
-    # speed (prefill.geometry), agreement after each cold prefill pair: the greedy next token
+    # prefill gate, agreement after each cold prefill pair: the greedy next token
     # must equal the baseline's, and KL(candidate || baseline) of the next-token distributions
     # at the agreement_rows positions after every seam and on agreement_rows verify rows decoded
     # on the prefill must stay <= agreement_kl_bound. Measured at those positions (ci prompts,

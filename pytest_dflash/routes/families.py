@@ -10,7 +10,10 @@ family's gates need besides the candidate:
 - ``baseline``: what runs when no candidate is enabled (speed, ppl and quality compare to it);
 - ``verify_route``: the route that serves speculative verification (M <= 8 rows) when a
   candidate is disabled; validation-cost gates compare against it. None: the family has no
-  verify path of its own.
+  verify path of its own;
+- ``gates``: the gate kinds the family's gate tests offer. A route can only be judged on a kind
+  some test measures for its family, so the registry refuses a route that declares any other
+  (``RouteRegistry.validate``) before a test runs; otherwise that gate would stay pending forever.
 
 Families are declared from the ``pytest_dflash_routes`` hook (``registry.declare(Family(...))``),
 the shipped ones in ``pytest_dflash/routes/shipped.py``; generic gates read them through
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from pytest_dflash.routes.vocabulary import check_kind
 
 if TYPE_CHECKING:  # annotations only: no torch at plugin import time
     from torch import Tensor, dtype
@@ -96,6 +101,12 @@ class Family:
     oracle: str | None = None
     verify_route: str | None = None
     description: str = ""
+    gates: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gates", tuple(self.gates))
+        for kind in self.gates:
+            check_kind(kind)
 
     def check(self, impl: Any, route_name: str) -> Any:
         """Return ``impl`` if it offers every call of the contract, else raise TypeError that

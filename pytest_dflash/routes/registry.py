@@ -156,6 +156,8 @@ class RouteRegistry:
         for family in self._families.values():
             self._validate_family(family)
         for route in self._routes.values():
+            self.check_gates(route)
+        for route in self._routes.values():
             if route.baseline is None:
                 continue
             base = self._routes.get(route.baseline)
@@ -182,6 +184,33 @@ class RouteRegistry:
                 raise RegistryError(
                     f"route {route.name!r} names verify_route {route.verify_route!r}, which is "
                     f"not a registered route of family {route.family!r}")
+
+    def offered(self, family: str) -> tuple[str, ...]:
+        """The gate kinds the gate tests of ``family`` offer: its declaration's ``gates``; a
+        family nobody declared offers none (its routes can be oracles and baselines only)."""
+        declared = self._families.get(family)
+        return declared.gates if declared is not None else ()
+
+    def check_gates(self, route: Route) -> None:
+        """Refuse ``route`` if it declares a gate kind no test of its family measures: that gate
+        could never run, so the route would stay pending whatever its code does."""
+        offered = sorted(self.offered(route.family), key=GATE_KINDS.index)
+        unknown = [kind for kind in route.gates if kind not in offered]
+        if not unknown:
+            return
+        if route.family not in self._families:
+            raise RegistryError(
+                f"route {route.name!r} declares gates {', '.join(unknown)}, but family "
+                f"{route.family!r} is not declared, so no gate test is known to measure it; a "
+                f"family that brings its own gate tests declares the kinds they offer: "
+                f"registry.declare(Family({route.family!r}, contract, baseline=..., "
+                f"gates={tuple(route.gates)!r}))")
+        raise RegistryError(
+            f"route {route.name!r} declares gate {', '.join(map(repr, unknown))}, which no test "
+            f"of family {route.family!r} measures (the gate would stay pending forever); the "
+            f"family offers: {', '.join(offered) or 'no gate kinds'}. Drop it from the route's "
+            f"gates, or bring a gate test of that kind and add it to the family's "
+            f"Family(gates=...)")
 
     def _validate_family(self, family: Family) -> None:
         wanted = {"baseline": family.baseline, "oracle": family.oracle,

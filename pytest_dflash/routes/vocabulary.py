@@ -6,11 +6,14 @@ route declaration is an error that lists what exists (docs/vocabulary.md explain
 
 from __future__ import annotations
 
-GATE_KINDS: tuple[str, ...] = ("loader", "parity", "speed", "validation_cost", "ppl", "quality")
+# ``speed`` times one op of a family (op level); ``prefill`` times an engine's cold prefill of a
+# whole prompt with the route switched in (model level): two kinds, so a report never mixes them.
+GATE_KINDS: tuple[str, ...] = ("loader", "parity", "speed", "prefill", "validation_cost", "ppl",
+                               "quality")
 PROFILES: tuple[str, ...] = ("quick", "ci", "full")
 ROLES: tuple[str, ...] = ("oracle", "baseline", "candidate")
 # Timing gates share the device with nothing else: they refuse to run inside xdist workers.
-EXCLUSIVE_KINDS: frozenset[str] = frozenset({"speed", "validation_cost"})
+EXCLUSIVE_KINDS: frozenset[str] = frozenset({"speed", "prefill", "validation_cost"})
 
 
 class UnknownNameError(ValueError):

@@ -13,17 +13,29 @@ policy, so a self-test on one machine is comparable with one on another:
   16-element K group dropped; attention: GQA query heads mapped to the wrong KV head
   (``h % Hkv`` instead of ``h // (Hq/Hkv)``), and a paged cache read one physical block off
   for the last logical block.
-* speed (every family with a speed gate): a candidate with no gain that is *slower* than its
-  baseline by the policy's min gain, by 3% and by 10%: the baseline's own code plus a busy wait
-  (CPU) or spin kernel (GPU) of that fraction of each call's measured time (``slowdown.py``).
-  Planting the slowdown on the baseline's code makes the true ratio exactly 1 + fraction; on
-  the candidate's code it would depend on the candidate's unknown gain.
+* speed (op level: attn.d256, gemm.nvfp4) and prefill (model level: every family an engine
+  applies): a candidate with no gain that is *slower* than its baseline by the policy's min gain,
+  by 3% and by 10%: the baseline's own code plus a busy wait (CPU) or spin kernel (GPU) of that
+  fraction of each call's measured time (``slowdown.py``): each op call for speed, each cold
+  prefill of the baseline's engine for prefill. Planting the slowdown on the baseline's code
+  makes the true ratio exactly 1 + fraction; on the candidate's code it would depend on the
+  candidate's unknown gain.
 * validation_cost (gemm.nvfp4): verify widths M <= 8 sent to another kernel path (the family
   baseline's), and every call made 2% slower (twice the default noise floor).
-* ppl (prefill.geometry): every token's log-probability lowered by the amount that raises each
-  segment's perplexity by twice the policy's tolerance.
-* quality (prefill.geometry): every fourth completion degenerated (a run of one repeated
+* ppl (every engine family): every token's log-probability lowered by the amount that raises
+  each segment's perplexity by twice the policy's tolerance.
+* quality (every engine family): every fourth completion degenerated (a run of one repeated
   character, no natural stop), as a broken kernel's output looks.
+* ppl and prefill (gemm.nvfp4): the block scales of one projection of one layer read one binade
+  high (x2): the first weight of the reference model's down-projection shape (N 256, K 512)
+  that the route prepares, which is layer 0's. Like a kernel bug of one tile configuration, it
+  never fires on the shapes the op-level parity cases use, so parity passes it
+  (tests/test_selftest_catalogue.py runs them); only the model's predictions show it, which
+  the ppl gate and the prefill gate's cross-route agreement check must catch.
+
+Engine-level defects (``Defect.level == "engine"``) act on the engine the served selection
+builds (``engine.py``); op-level ones on the route's calls (``wrappers.py``), which an engine
+then runs like any route's.
 
 Route names: ``<route>~copy`` and ``<route>~<defect>``. The planted routes are candidates of the
 route's family with the route's baseline, so verdicts, figures and reports treat them like any
@@ -61,8 +73,13 @@ SPEED_RUNGS = (0.03, 0.10)  # besides the policy's min gain, which is always the
 # ``--dflash-selftest-calibrate`` (``pytest-dflash selftest --repeat K``): every timing gate's
 # copy and these planted slowdowns, to count pass / inconclusive / fail over repeated runs
 CALIBRATION_RUNGS = (0.01, 0.02, 0.05, 0.10)
+# the scale slip's weight: the first prepared of the reference model's down-projection shape
+# (N = d_model, K = d_ff of fixtures/model/config.json), i.e. layer 0's down projection
+SLIP_SHAPE = (256, 512)
+SLIP_FACTOR = 2.0  # one binade: the block scales' E4M3 exponent read one step high
 # Gate kinds with planted defects; the loader gate's scenarios are real library files already.
-KINDS = ("parity", "speed", "validation_cost", "ppl", "quality")
+KINDS = ("parity", "speed", "prefill", "validation_cost", "ppl", "quality")
+ENGINE_FAMILIES = frozenset({ATTN, GEMM, GEOMETRY})
 
 
 @dataclass(frozen=True)
@@ -75,9 +92,15 @@ class Defect:
     what: str
     serves: str = "route"  # whose code serves the calls: "route" or "baseline"
     slowdown: float | None = None  # planted extra time per call (timing defects)
+    level: str = "op"  # "op": in the route's calls (wrappers.py); "engine": engine.py
+    also: tuple[str, ...] = ()  # more gate kinds meant to catch it, besides ``kind``
 
     def applies_to(self, route: Route) -> bool:
-        return route.family in self.families and self.kind in route.gates
+        return route.family in self.families and bool(self.kinds(route))
+
+    def kinds(self, route: Route) -> tuple[str, ...]:
+        """The kinds of this defect that ``route`` requires: the gates it is planted for."""
+        return tuple(k for k in (self.kind, *self.also) if k in route.gates)
 
 
 def _pct(fraction: float) -> str:
@@ -89,12 +112,14 @@ def calibration(policy: Any) -> tuple[Defect, ...]:
     gates (the baseline's code slowed) and the validation_cost gates (every call slowed). A
     1% slowdown sits on the validation_cost noise floor: it is counted, not expected caught."""
     del policy
-    speed = frozenset({ATTN, GEMM, GEOMETRY})
     defects = []
     for fraction in CALIBRATION_RUNGS:
-        defects.append(Defect(f"slow_{_pct(fraction)}", "speed", speed,
+        defects.append(Defect(f"slow_{_pct(fraction)}", "speed", frozenset({ATTN, GEMM}),
                               f"no gain: the baseline's code slowed by {fraction:.0%}",
                               serves="baseline", slowdown=fraction))
+        defects.append(Defect(f"prefill_slow_{_pct(fraction)}", "prefill", ENGINE_FAMILIES,
+                              f"no gain: the baseline's cold prefills slowed by {fraction:.0%}",
+                              serves="baseline", slowdown=fraction, level="engine"))
         defects.append(Defect(f"verify_cost_{_pct(fraction)}", "validation_cost",
                               frozenset({GEMM}), f"every call {fraction:.0%} slower",
                               slowdown=fraction))
@@ -105,7 +130,6 @@ def catalogue(policy: Any) -> tuple[Defect, ...]:
     """Every defect of the catalogue, sized from ``policy`` (a
     ``pytest_dflash.policy.thresholds.Policy``)."""
     ops = frozenset({ATTN, GEMM})
-    speed = frozenset({ATTN, GEMM, GEOMETRY})
     defects = [
         Defect("out_scaled", "parity", ops, "output scaled by 1 + 2^-9"),
         Defect("row_unwritten", "parity", ops, "last output row left unwritten"),
@@ -120,19 +144,28 @@ def catalogue(policy: Any) -> tuple[Defect, ...]:
     for fraction in rungs:
         label = "the policy's min gain" if fraction == policy.speed_min_gain else f"{fraction:.0%}"
         defects.append(Defect(
-            f"slow_{_pct(fraction)}", "speed", speed,
+            f"slow_{_pct(fraction)}", "speed", ops,
             f"no gain: the baseline's code slowed by {fraction:.1%} ({label})",
             serves="baseline", slowdown=fraction))
+        defects.append(Defect(
+            f"prefill_slow_{_pct(fraction)}", "prefill", ENGINE_FAMILIES,
+            f"no gain: the baseline's cold prefills slowed by {fraction:.1%} ({label})",
+            serves="baseline", slowdown=fraction, level="engine"))
     defects += [
         Defect("verify_path", "validation_cost", frozenset({GEMM}),
                "verify widths M <= 8 served by another kernel path (the family baseline's)"),
         Defect(f"verify_cost_{_pct(VERIFY_COST)}", "validation_cost", frozenset({GEMM}),
                f"every call {VERIFY_COST:.0%} slower", slowdown=VERIFY_COST),
-        Defect("ppl_shift", "ppl", frozenset({GEOMETRY}),
+        Defect("ppl_shift", "ppl", ENGINE_FAMILIES,
                f"log-probs shifted so each segment's perplexity rises by 2 x the relative "
-               f"tolerance ({2 * policy.ppl_rel_tolerance:.2%})"),
-        Defect("degenerate", "quality", frozenset({GEOMETRY}),
-               f"every {DEGENERATE_EVERY}th completion degenerated (repeated character, no stop)"),
+               f"tolerance ({2 * policy.ppl_rel_tolerance:.2%})", level="engine"),
+        Defect("degenerate", "quality", ENGINE_FAMILIES,
+               f"every {DEGENERATE_EVERY}th completion degenerated (repeated character, no stop)",
+               level="engine"),
+        Defect("scale_slip", "ppl", frozenset({GEMM}),
+               f"block scales of one projection of one layer x{SLIP_FACTOR:g} (the first "
+               f"{SLIP_SHAPE[0]}x{SLIP_SHAPE[1]} weight: layer 0's down projection; no parity "
+               "case has that shape)", also=("prefill",)),
     ]
     return tuple(defects)
 
@@ -161,8 +194,19 @@ class Planted:
         if self.pass_through:
             return ()  # never judged itself: it is the other side of its planted routes' gates
         if self.defect is not None:
-            return (self.defect.kind,)
+            return self.defect.kinds(self.original)
         return tuple(k for k in self.original.gates if k in self.only)
+
+    @property
+    def engine_level(self) -> bool:
+        """Whether the planted behaviour lives in the engine (``engine.py``): every planted
+        prefill.geometry route (a geometry acts through the engine), and the engine-level
+        defects of the other families."""
+        if self.pass_through:
+            return False
+        if self.original.family == GEOMETRY:
+            return True
+        return self.defect is not None and self.defect.level == "engine"
 
     @property
     def what(self) -> str:

@@ -1,7 +1,9 @@
-"""Planted defects that live in an engine: prefill.geometry's speed, ppl and quality defects.
+"""Planted defects that live in an engine: the prefill, ppl and quality defects of every family
+an engine applies, and every planted prefill.geometry route.
 
 A geometry route changes how the engine runs, not an op, so its planted copies wrap the engine
-that the served selection builds (through the ordinary ``pytest_dflash_engine`` hook: a served
+that the served selection builds; so do the engine-level defects of attention and GEMM routes
+(``Planted.engine_level``) (through the ordinary ``pytest_dflash_engine`` hook: a served
 engine is wrapped exactly like the reference engine). The wrapper reports the served route's
 hits under the planted route's name, and adds its defect:
 
@@ -123,7 +125,8 @@ class EngineSelftest:
 
 def build(config: Any, selection: dict[str, str], profile: str, planted: dict[str, Planted],
           policy: Any) -> Any:
-    """The engine of ``selection`` if it names an engine-level planted route, else None.
+    """The engine of ``selection`` if it names an engine-level planted route, else None (an
+    op-level planted route is served by its wrapper inside an ordinary engine).
 
     The served selection (planted route replaced by the route whose code serves it) is built
     through the same hook, so whatever engine the session uses is the one wrapped.
@@ -144,7 +147,7 @@ def wrap(selection: dict[str, str], planted: dict[str, Planted], policy: Any,
     its own engine factory), so a planted copy is the same engine wherever it is timed.
     """
     mine = [planted[name] for name in selection.values()
-            if name in planted and planted[name].original.family == "prefill.geometry"]
+            if name in planted and planted[name].engine_level]
     if not mine:
         return None
     if len(mine) > 1:

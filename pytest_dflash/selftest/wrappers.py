@@ -25,6 +25,8 @@ from pytest_dflash.selftest.catalogue import (
     GEMM,
     GEOMETRY,
     PARITY_SCALE,
+    SLIP_FACTOR,
+    SLIP_SHAPE,
     Planted,
     pass_through_of,
 )
@@ -139,7 +141,23 @@ class GemmSelftest(_Wrapper):
         verify route would be gated with two weight copies where the route itself has one."""
         if self.defect == "verify_path":
             return self._prepare_two_paths
+        if self.defect == "scale_slip":
+            return self._prepare_slipped
         return self.impl.prepare
+
+    def _prepare_slipped(self, w: Any) -> Any:
+        """The served route's resident form of ``w``; the first weight of shape ``SLIP_SHAPE``
+        (told apart by its global scale, so every engine, rebuilt anywhere, slips the same
+        layer's) gets its block scales read ``SLIP_FACTOR`` times too high (the same as its
+        global scale times that)."""
+        import dataclasses
+
+        if tuple(w.shape) == SLIP_SHAPE:
+            first = self.__dict__.setdefault("_slipped", float(w.global_scale))
+            if float(w.global_scale) == first:
+                hits.record(self.name, "scale_slip")
+                w = dataclasses.replace(w, global_scale=first * SLIP_FACTOR)
+        return self.impl.prepare(w)
 
     def _prepare_two_paths(self, w: Any) -> _TwoPaths:
         return _TwoPaths(self.impl.prepare(w), self.other.prepare(w))

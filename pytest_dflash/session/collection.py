@@ -1,12 +1,12 @@
 """Collection: gate markers become tests bound to routes, sizes and the run's selection.
 
 ``@pytest.mark.gate(kind, family=... | route=..., per_size=...)`` is the only thing a gate test
-declares. From it this module parametrizes ``dflash_route`` over the family's candidates that
-require the gate (and are selected), parametrizes ``size`` over the profile's sizes
-(``pytest_dflash.policy.profiles``), binds every item to its route and kind for the report, drops
-what
-``--dflash-gate`` did not ask for, and at setup refuses timing gates inside xdist workers that
-own no GPU and skips SM70-only tests elsewhere (a skip leaves the gate pending, never passed).
+declares (``family=`` names one family or a tuple of them). From it this module parametrizes
+``dflash_route`` over the family's candidates that require the gate (and are selected),
+parametrizes ``size`` over the profile's sizes (``pytest_dflash.policy.profiles``), binds every
+item to its route and kind for the report, drops what ``--dflash-gate`` did not ask for, and at
+setup refuses timing gates inside xdist workers that own no GPU and skips SM70-only tests
+elsewhere (a skip leaves the gate pending, never passed).
 """
 
 from __future__ import annotations
@@ -65,10 +65,13 @@ def generate_tests(metafunc: pytest.Metafunc) -> None:
     if route_name is not None:
         routes = [state.registry.get(route_name)]
     else:
-        if family not in state.registry.families():
-            raise UnknownNameError(f"unknown family {family!r}; known families: "
-                                   f"{', '.join(state.registry.families())}")
-        routes = state.registry.candidates(family, kind)
+        # one family, or a tuple of them: a model-level gate serves every family an engine applies
+        families = (family,) if isinstance(family, str) else tuple(family)
+        for name in families:
+            if name not in state.registry.families():
+                raise UnknownNameError(f"unknown family {name!r}; known families: "
+                                       f"{', '.join(state.registry.families())}")
+        routes = [r for name in families for r in state.registry.candidates(name, kind)]
     selected = {r.name for r in state.candidates()}
     routes = [r for r in routes if r.name in selected and kind in r.gates]
     metafunc.parametrize("dflash_route", routes, ids=[r.name for r in routes], indirect=True)

@@ -46,12 +46,12 @@ THREADS_ENV = "OMP_NUM_THREADS"
 # threads migrating onto its core; pinning keeps each worker's threads on cores of its own.
 CPUS_ENV = "DFLASH_WORKER_CPUS"
 # Gate kinds by how long their tests usually take on a GPU, longest first (full profile, one
-# H200: an engine verify-cost gate 70-165 s, a cold-prefill speed gate 50-110 s, quality 56 s,
+# H200: an engine verify-cost gate 70-165 s, a cold-prefill (prefill) gate 50-110 s, quality 56 s,
 # the loader fixture 16 s, ppl 6 s, a parity test a few seconds). Workers hand their tests to the
 # scheduler in this order, so the longest gates start first and no worker is left running one
 # at the end while the others idle (longest-processing-time-first).
-LONGEST_FIRST: tuple[str, ...] = ("validation_cost", "speed", "quality", "loader", "ppl",
-                                  "parity")
+LONGEST_FIRST: tuple[str, ...] = ("validation_cost", "prefill", "speed", "quality", "loader",
+                                  "ppl", "parity")
 QUERY = "index,name,uuid,compute_cap"
 SMI_TIMEOUT_S = 30.0
 

@@ -1,7 +1,8 @@
-"""Support for the engine-level timing gates: cold prefills (prefill.geometry speed) and
-speculative rounds (gemm.nvfp4 validation_cost), built alike in the gate's process and in each
-timing worker, where the worker rebuilds the session's in-process engine
-(``WorkerContext.engine``).
+"""Support for the engine-level gates: the families an engine applies, the proof that a
+candidate served an engine's calls, and the timing pairs: cold prefills (the ``prefill`` gate
+of every engine family) and speculative rounds (gemm.nvfp4 validation_cost), built alike in
+the gate's process and in each timing worker, where the worker rebuilds the session's
+in-process engine (``WorkerContext.engine``).
 
 What the gate checks besides the time travels back as *facts* (``TimedPair.facts``): every
 cold prefill's first-token hash, greedy first token and chunk count, and the candidate's route
@@ -14,6 +15,40 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pytest_dflash.engines.data import prompt_ids
+
+# The families the engines apply (the reference engine runs attention, the MLP projections and
+# the prefill geometry through the selected routes): the model-level gates (ppl, quality,
+# prefill) serve a candidate of any of them, on an engine with that candidate switched in and
+# every other family at its baseline.
+ENGINE_FAMILIES: tuple[str, ...] = ("attn.d256", "gemm.nvfp4", "prefill.geometry")
+
+
+class Served:
+    """Proof that a model-level gate's candidate engine ran the candidate: the engine's route
+    hits of the candidate between construction and :meth:`check`. An engine without the
+    ``route_hits`` capability (a server: its proof is the switches it was started with, which
+    ``record_engines`` records) proves nothing here, and :meth:`check` returns None."""
+
+    def __init__(self, engine: Any, route: str) -> None:
+        from pytest_dflash.engines import capabilities_of
+
+        self.engine, self.route = engine, route
+        self.counted = capabilities_of(engine).route_hits
+        self.before = self._count()
+
+    def _count(self) -> int:
+        return int(self.engine.route_hits().get(self.route, 0)) if self.counted else 0
+
+    def check(self, what: str) -> int | None:
+        """The candidate's hits since construction; AssertionError when there are none."""
+        if not self.counted:
+            return None
+        ran = self._count() - self.before
+        if ran <= 0:
+            raise AssertionError(
+                f"{self.route} recorded no route hits over {what} on its engine (hits "
+                f"{self.engine.route_hits()}): the candidate did not serve the calls")
+        return ran
 
 
 class PrefillRuns:
@@ -91,7 +126,7 @@ def check_prefill_runs(merged: dict[str, Any], label: str) -> tuple[str, int]:
 
 
 def cold_prefill_pair(ctx: Any, *, route: str, baseline: str, length: int) -> Any:
-    """Timing-worker builder of the prefill.geometry speed gate: cold prefills of ``length``
+    """Timing-worker builder of the prefill gate: cold prefills of ``length``
     prompt tokens on the candidate's and the baseline's engines (eager, one call a sample)."""
     from pytest_dflash.measure.timing_pool import TimedPair
 
