@@ -47,5 +47,6 @@ FP32_Q3296 = Geometry("prefill.geometry.fp32_q3296", torch.float32, 3296)
 FP32_Q6592 = Geometry("prefill.geometry.fp32_q6592", torch.float32, 6592)
 FP16_Q7920 = Geometry("prefill.geometry.fp16_q7920", torch.float16, 7920)
 # Not a route: the fp64-state geometry of the fp64 reference engine, which measures the fp32
-# engine's own rounding spread that the agreement bound derives from (docs/gates.md, "speed").
+# engine's own rounding spread that the agreement bound derives from (docs/gates.md,
+# "Cross-route agreement").
 REFERENCE_FP64 = Geometry("prefill.geometry.reference_fp64", torch.float64, 3296)
