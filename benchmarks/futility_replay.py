@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pytest_dflash.measure.statistics import ProcessSample, process_compare, threshold_for
+from pytest_dflash.measure.decision import threshold_for
+from pytest_dflash.measure.process_statistics import ProcessSample, process_compare
 from pytest_dflash.policy.thresholds import Policy
 
 

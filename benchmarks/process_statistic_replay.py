@@ -6,8 +6,8 @@ statistic that is the same process's rounds' best summary is the one whose sprea
 processes is smallest at the same budget. For every cross-process timing result whose
 processes timed at least ``MIN_ROUNDS`` rounds, this computes the spread (sd across processes,
 in log ratio) of the median of the rounds and of their interquartile mean
-(``statistics.process_statistic``), on all recorded rounds and on each process's first
-``FRACTIONS`` of them (what a shorter budget would have timed), and writes a
+(``process_statistics.process_statistic``), on all recorded rounds and on each process's
+first ``FRACTIONS`` of them (what a shorter budget would have timed), and writes a
 ``pytest-dflash/benchmark/1`` file for ``benchmarks/render.py``:
 
     python benchmarks/process_statistic_replay.py run1.json run2.json \\
@@ -28,7 +28,7 @@ from futility_replay import (  # this directory, as a script's, is on sys.path
     write_replay,
 )
 
-from pytest_dflash.measure.statistics import process_statistic
+from pytest_dflash.measure.process_statistics import process_statistic
 
 MIN_ROUNDS = 40  # below it the first part of a process's rounds is too few to compare
 FRACTIONS = (0.6, 0.5)

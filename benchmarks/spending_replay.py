@@ -31,7 +31,8 @@ from futility_replay import (  # this directory, as a script's, is on sys.path
     write_replay,
 )
 
-from pytest_dflash.measure.statistics import INTERIM_SHARE, ProcessSample, process_compare
+from pytest_dflash.measure.decision import INTERIM_SHARE
+from pytest_dflash.measure.process_statistics import ProcessSample, process_compare
 from pytest_dflash.policy.thresholds import Policy
 
 # (first look, process cap, interim share): the policy's design first

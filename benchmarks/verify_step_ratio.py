@@ -29,7 +29,7 @@ import torch
 from dflash_kernels import qpn_native
 from dflash_kernels.gemm import QPN2, QPN2_PACKED
 from dflash_suites.support.gemm import layer_shape, make_weight, make_x
-from pytest_dflash.measure.statistics import paired_compare
+from pytest_dflash.measure.round_statistics import paired_compare
 from pytest_dflash.measure.timing import calls_per_sample, round_timer
 from pytest_dflash.policy.thresholds import Policy
 

@@ -120,7 +120,7 @@ def pytest_dflash_engine(config: pytest.Config, selection: dict[str, str], profi
     """The default engine, asked last, built from the session's route registry: the reference
     engine on the gate device, the transformers engine under --dflash-engine hf:PATH, or a
     server engine under --dflash-serve / --dflash-engine-url."""
-    return engine_factory.factory_of(config).cached(selection)
+    return engine_factory.factory_of(config).engine(selection)
 
 
 @pytest.hookimpl(trylast=True)

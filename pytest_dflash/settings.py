@@ -153,6 +153,36 @@ def record_gpu_plan(config: pytest.Config, cards: list[Any]) -> None:
     config.stash[_SETTINGS] = replace(of(config), gpu_plan=tuple(cards))
 
 
+def xdist_controller(config: pytest.Config) -> bool:
+    """Whether this process is the controller of an xdist run that starts workers (``-n`` or
+    ``--tx`` with a ``--dist`` mode). Read live: xdist rewrites its options before configure."""
+    option = config.option
+    return (getattr(option, "dist", "no") != "no" and bool(getattr(option, "tx", None))
+            and not hasattr(config, "workerinput"))
+
+
+def xdist_dist(config: pytest.Config) -> str:
+    """xdist's ``--dist`` mode (``no`` without xdist)."""
+    return str(getattr(config.option, "dist", "no"))
+
+
+def xdist_worker_specs(config: pytest.Config) -> list[Any]:
+    """xdist's worker specs (``-n N`` / ``--tx``), as xdist parses them."""
+    from xdist.workermanage import parse_tx_spec_config
+
+    return list(parse_tx_spec_config(config))
+
+
+def set_xdist_workers(config: pytest.Config, specs: list[str]) -> None:
+    """Start xdist's workers from ``specs`` instead (one GPU each: ``xdist.gpus.worker_spec``)."""
+    config.option.tx = list(specs)
+
+
+def keep_xdist_order(config: pytest.Config) -> None:
+    """Have xdist's group scheduler keep the workers' order of the test groups."""
+    config.option.loadscopereorder = False
+
+
 def active(config: pytest.Config) -> bool:
     """Whether the main plugin is active (``-p no:dflash`` leaves its options unregistered)."""
     try:

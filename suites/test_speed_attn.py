@@ -37,7 +37,7 @@ def test_attn_speed_cold_prefill(dflash_gate, size):
         with hits.counting() as delta:
             speed_gate(pair.candidate, pair.baseline, policy=dflash_gate.policy,
                        device=dflash_gate.device, record=measured.update, label=pair.label,
-                       job=job)
+                       job=job, timing=dflash_gate.timing)
     finally:  # the hits are known once the block has exited
         dflash_gate.record(**measured, route_hits=delta.as_json(), shape=pair.label)
     name, base = dflash_gate.route.name, dflash_gate.baseline_route.name

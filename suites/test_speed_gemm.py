@@ -41,7 +41,7 @@ def test_gemm_speed_large_m(dflash_gate, layer):
         try:
             speed_gate(pair.candidate, pair.reference, policy=dflash_gate.policy,
                        device=dflash_gate.device, record=dflash_gate.record, label=pair.label,
-                       job=job)
+                       job=job, timing=dflash_gate.timing)
         finally:
             measured = pair.workspace()
             dflash_gate.record(route_hits=delta.as_json(), shape=pair.label, **measured)

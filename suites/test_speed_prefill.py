@@ -127,7 +127,7 @@ def test_speed_cold_prefill(dflash_gate, size):
         speed_gate(local.candidate, local.baseline, policy=dflash_gate.policy,
                    device=dflash_gate.device, record=measured.update,
                    label=f"{route.name} cold prefill {length} tokens",
-                   before_each=local.before_each, job=job)
+                   before_each=local.before_each, job=job, timing=dflash_gate.timing)
         failure = None
     except (AssertionError, TimingInconclusive) as exc:  # judged after the evidence below
         failure = exc

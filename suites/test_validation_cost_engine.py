@@ -71,7 +71,7 @@ def test_validation_cost_engine_verify(dflash_gate):
         speed_gate(speculative_round(enabled, drafts), speculative_round(disabled, drafts),
                    policy=policy, device=dflash_gate.device, record=measured.update,
                    label=f"speculative round M=1..{len(drafts)}", rule="no_regression",
-                   job=job)
+                   job=job, timing=dflash_gate.timing)
     finally:
         figure = measured.get("figure", "not measured")
         dflash_gate.record(**measured)

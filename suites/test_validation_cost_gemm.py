@@ -36,4 +36,5 @@ def test_gemm_validation_cost_verify_m(dflash_gate):
     run_validation_cost(dflash_gate.route.name, dflash_gate.route.implementation(),
                         verify.implementation(), policy=dflash_gate.policy,
                         profile=dflash_gate.profile, device=dflash_gate.device,
-                        record=dflash_gate.record, disabled_name=verify.name)
+                        record=dflash_gate.record, disabled_name=verify.name,
+                        timing=dflash_gate.timing)

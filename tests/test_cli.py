@@ -20,7 +20,7 @@ import pytest
 from pytest_dflash import cli
 from pytest_dflash.evidence import fingerprint
 from pytest_dflash.evidence import report as reports
-from pytest_dflash.measure.statistics import threshold_for
+from pytest_dflash.measure.decision import threshold_for
 from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.registry import Route
 from pytest_dflash.routes.shipped import SHIPPED_ROUTES

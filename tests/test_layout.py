@@ -99,6 +99,16 @@ def test_only_the_settings_module_reads_options() -> None:
     assert not readers, f"read options outside pytest_dflash/settings.py: {readers}"
 
 
+def test_only_the_settings_module_touches_config_option() -> None:
+    """``config.option`` (read or written, xdist's options too) only in settings.py."""
+    touching = sorted(
+        f"{p.relative_to(ROOT)}:{node.lineno}" for p in PACKAGE.rglob("*.py")
+        if p != PACKAGE / "settings.py"
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute) and node.attr == "option")
+    assert not touching, f"config.option outside pytest_dflash/settings.py: {touching}"
+
+
 def _package(module: str) -> str:
     """The subpackage (or top-level module) ``module`` belongs to; "" for the package API."""
     parts = module.split(".")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pytest_dflash.measure import progress
-from pytest_dflash.measure.statistics import paired_compare, sides
+from pytest_dflash.measure.round_statistics import paired_compare, sides
 
 
 class Recorder:
@@ -30,10 +30,7 @@ class Recorder:
 
 @pytest.fixture
 def recorder() -> Recorder:
-    sink = Recorder()
-    progress.install(sink)
-    yield sink
-    progress.install()
+    return Recorder()
 
 
 def test_tracker_waits_throttles_and_reports_ratio_and_ci(recorder: Recorder) -> None:
@@ -41,7 +38,8 @@ def test_tracker_waits_throttles_and_reports_ratio_and_ci(recorder: Recorder) ->
     cand = [1.0, 0.9, 0.95, 0.92, 0.91, 0.93]
     base = [1.0] * 6
     with progress.gate("gate_up M=64", rule="gain", threshold=0.99, max_rounds=48,
-                       confidence=0.95, delay_s=3.0, clock=lambda: now[0]) as on_round:
+                       confidence=0.95, sinks=(recorder,), delay_s=3.0,
+                       clock=lambda: now[0]) as on_round:
         assert on_round is not None
         now[0] = 2.0
         on_round(2, 12, cand, base)  # before the delay: silent
@@ -64,10 +62,9 @@ def test_tracker_waits_throttles_and_reports_ratio_and_ci(recorder: Recorder) ->
 
 def test_no_sink_means_no_callback_and_a_silent_gate_is_not_cleared(recorder: Recorder) -> None:
     with progress.gate("quick", rule="no_regression", threshold=1.01, max_rounds=1536,
-                       confidence=0.95, delay_s=100.0) as on_round:
+                       confidence=0.95, sinks=(recorder,), delay_s=100.0) as on_round:
         on_round(3, 12, [1.0] * 3, [1.0] * 3)
     assert recorder.updates == [] and recorder.ends == []
-    progress.install()
     with progress.gate("quick", rule="gain", threshold=0.99, max_rounds=48,
                        confidence=0.95) as on_round:
         assert on_round is None
@@ -128,19 +125,16 @@ class Throttled(Recorder):
 
 def test_each_sink_is_throttled_on_its_own_interval_and_ended_only_if_shown() -> None:
     fast, slow = Recorder(), Throttled()
-    progress.install(fast, slow)
-    try:
-        now = [0.0]
-        with progress.gate("M=1", rule="no_regression", threshold=1.01, max_rounds=1536,
-                           confidence=0.95, delay_s=3.0, clock=lambda: now[0]) as on_round:
-            for done in range(1, 41):  # one round a second
-                now[0] = float(done)
-                on_round(done, 768, [1.0] * done, [1.0] * done)
-        with progress.gate("short", rule="gain", threshold=0.99, max_rounds=48,
-                           confidence=0.95, delay_s=3.0, clock=lambda: now[0]) as on_round:
-            on_round(2, 12, [1.0] * 2, [1.0] * 2)  # ends before the delay: no lines at all
-    finally:
-        progress.install()
+    now = [0.0]
+    with progress.gate("M=1", rule="no_regression", threshold=1.01, max_rounds=1536,
+                       confidence=0.95, sinks=(fast, slow), delay_s=3.0,
+                       clock=lambda: now[0]) as on_round:
+        for done in range(1, 41):  # one round a second
+            now[0] = float(done)
+            on_round(done, 768, [1.0] * done, [1.0] * done)
+    with progress.gate("short", rule="gain", threshold=0.99, max_rounds=48, confidence=0.95,
+                       sinks=(fast, slow), delay_s=3.0, clock=lambda: now[0]) as on_round:
+        on_round(2, 12, [1.0] * 2, [1.0] * 2)  # ends before the delay: no lines at all
     assert [u.split(" rounds")[0] for u in fast.updates] == [f"M=1: {d}/768" for d in
                                                               range(3, 41)]
     assert [u.split(" rounds")[0] for u in slow.updates] == ["M=1: 3/768", "M=1: 33/768"]

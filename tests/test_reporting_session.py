@@ -108,12 +108,12 @@ TIMED = """
 import pytest
 
 @pytest.mark.gate("speed", family="toy.mul")
-def test_speed(dflash_route, dflash_record, dflash_policy):
+def test_speed(dflash_gate):
     from pytest_dflash.measure.timing import speed_gate
 
     work = lambda: sum(i * i for i in range(3000))
-    speed_gate(work, work, policy=dflash_policy, device="cpu", record=dflash_record,
-               label="toy sum")
+    speed_gate(work, work, policy=dflash_gate.policy, device="cpu", record=dflash_gate.record,
+               label="toy sum", timing=dflash_gate.timing)
 """
 
 
@@ -139,9 +139,9 @@ def test_xdist_workers_show_no_progress(pytester: pytest.Pytester) -> None:
         import os
         import pytest_dflash.measure.progress as progress
 
-        def test_worker_has_no_sink():
+        def test_worker_has_no_sink(pytestconfig):
             assert os.environ.get("PYTEST_XDIST_WORKER")
-            assert progress._SINKS == ()
+            assert progress.sinks_of(pytestconfig) == ()
     """)
     pytester.runpytest_subprocess("-n", "2", "-p", "xdist").assert_outcomes(passed=1)
 
@@ -190,11 +190,12 @@ import os
 import pytest
 from pytest_dflash.measure import progress
 @pytest.mark.parametrize("n", range(4))
-def test_fake_long_gate(n):
+def test_fake_long_gate(n, pytestconfig):
     now = [0.0]
     worker = os.environ["PYTEST_XDIST_WORKER"]
     with progress.gate(f"fake {worker}", rule="no_regression", threshold=1.01,
                        max_rounds=1536, confidence=0.95, delay_s=3.0,
+                       sinks=progress.sinks_of(pytestconfig),
                        clock=lambda: now[0]) as on_round:
         assert on_round is not None
         for done in range(1, 101):  # one round a second on the fake clock

@@ -459,7 +459,7 @@ def summary_status(tests):
 def _timing(lo, processes, threshold=0.99, rule="gain"):
     """A timing record as the worker-process protocol writes it (``ProcessResult``), its
     interval computed across ``processes`` workers of four rounds each."""
-    from pytest_dflash.measure.statistics import ProcessResult, ProcessSample
+    from pytest_dflash.measure.process_statistics import ProcessResult, ProcessSample
 
     ratio = lo + 0.01
     timed = [ProcessSample(worker=i, pid=1000 + i, candidate_s=[ratio * 1e-3] * 4,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pytest_dflash.measure.statistics import PairedResult
+from pytest_dflash.measure.round_statistics import PairedResult
 from pytest_dflash.measure.timing import (
     calls_per_sample,
     cpu_timer,

@@ -62,7 +62,8 @@ def test_speed(dflash_gate):
     try:
         with hits.counting() as delta:
             speed_gate(None, None, policy=dflash_gate.policy, device=dflash_gate.device,
-                       record=dflash_gate.record, label="spin", job=job)
+                       record=dflash_gate.record, label="spin", job=job,
+                       timing=dflash_gate.timing)
     finally:  # the delta is filled once the block has exited
         dflash_gate.record(route_hits=delta.as_json())
 """

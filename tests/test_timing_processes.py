@@ -12,21 +12,18 @@ import numpy as np
 import pytest
 
 from pytest_dflash.evidence.verdict import gate_status, route_verdict
-from pytest_dflash.measure.statistics import (
+from pytest_dflash.measure.decision import judge, threshold_for
+from pytest_dflash.measure.process_statistics import (
     ProcessSample,
     across_processes,
-    decide,
     decision_chance,
-    finding,
-    paired_compare,
     process_compare,
     process_statistic,
-    sides,
     statistic_variance,
     t_quantile,
-    threshold_for,
     variance_components,
 )
+from pytest_dflash.measure.round_statistics import paired_compare, sides
 from pytest_dflash.policy.thresholds import Policy, PolicyError
 
 POLICY = Policy()
@@ -194,8 +191,7 @@ def test_variance_components_separate_bias_from_noise():
 )
 def test_three_outcomes_against_the_margin(rule, lo, hi, decision, words):
     threshold = threshold_for(rule, POLICY)
-    assert decide(rule, threshold, lo, hi) == decision
-    assert finding(rule, threshold, lo, hi) == words
+    assert judge(rule, threshold, lo, hi) == (decision, words)
 
 
 def _test(outcome: str, message: str = "") -> dict:

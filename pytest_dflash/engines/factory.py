@@ -10,7 +10,7 @@ server engine when ``--dflash-serve`` or ``--dflash-engine-url`` is given (``ope
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,10 @@ class EngineFactory:
                                    startup_timeout_s=startup_timeout_s,
                                    request_timeout_s=request_timeout_s, log_dir=log_dir,
                                    base_env=base_env)
-        self.engines: list[Any] = []
-        self._built: dict[tuple[tuple[str, str], ...], Any] = {}
+        self.engines: list[Any] = []  # every engine to close with the session
+        # the session's one engine cache: one engine per selection, whoever built it
+        self._cache: dict[tuple[tuple[str, str], ...], Any] = {}
+        self._own: list[Any] = []  # the engines of the cache that build() made here
 
     @property
     def kind(self) -> str:
@@ -74,18 +76,34 @@ class EngineFactory:
         self.engines.append(engine)
         return engine
 
-    def cached(self, selection: Mapping[str, str]) -> Any:
-        """:meth:`build`, once per selection."""
+    def engine(self, selection: Mapping[str, str],
+               build: Callable[[dict[str, str]], Any] | None = None) -> Any:
+        """The engine of ``selection``, built once per selection and kept until :meth:`close`.
+
+        ``build(selection)`` builds it when given (the ``pytest_dflash_engine`` hook, whose
+        last answer is this factory's own engine), else :meth:`build`. The one engine cache of
+        a session and of a timing worker: the ``dflash_engine`` fixture, the default hook
+        implementation and a worker all ask it, so a selection never gets two engines.
+        """
         key = selection_key(selection)
-        if key not in self._built:
-            self._built[key] = self.build(selection)
-        return self._built[key]
+        if key not in self._cache:
+            if build is None:
+                engine = self.build(selection)
+                self._own.append(engine)
+            else:
+                engine = build(dict(selection))
+                if engine is None:
+                    raise RuntimeError("no pytest_dflash_engine implementation built an engine "
+                                       f"for {dict(selection)}")
+            # the hook's last answer is this factory's own engine, cached here meanwhile
+            self._cache.setdefault(key, self.adopt(engine))
+        return self._cache[key]
 
     def rebuildable(self, engine: Any) -> bool:
         """True for an engine this factory built in process (the reference or the transformers
         engine): a timing worker builds the very same one from the session's registry and
         options. A server, or an engine another plugin's hook built, lives here only."""
-        return self.pool is None and any(e is engine for e in self._built.values())
+        return self.pool is None and any(e is engine for e in self._own)
 
     def adopt(self, engine: Any) -> Any:
         """Take an engine another hook implementation built, so it is closed with the rest."""

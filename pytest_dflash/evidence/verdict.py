@@ -165,7 +165,7 @@ def timing_disagreement(test: Mapping[str, Any], policy: Policy) -> str | None:
     that passes it. A failed test may carry a passing record: a gate that times several widths
     keeps only the last record and fails on another.
     """
-    from pytest_dflash.measure.statistics import RULES, _decide, threshold_for
+    from pytest_dflash.measure.decision import RULES, judge, threshold_for
 
     measured = test.get("measurements") or {}
     if "rule" not in measured:
@@ -180,7 +180,7 @@ def timing_disagreement(test: Mapping[str, Any], policy: Policy) -> str | None:
     expected = threshold_for(rule, policy)
     if not math.isclose(threshold, expected, rel_tol=1e-12, abs_tol=1e-12):
         return f"recorded threshold {threshold!r} is not the policy's {expected!r} for {rule}"
-    if test["outcome"] == PASSED and not _decide(rule, threshold, low, high)[0]:
+    if test["outcome"] == PASSED and not judge(rule, threshold, low, high).passed:
         return f"outcome passed, but its CI upper bound {high!r} fails the {rule} threshold"
     return None
 

@@ -23,6 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_dflash.measure.timing_pool import TimingSetup
 from pytest_dflash.policy.profiles import ProfileSizes, sizes
 from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.families import Family, contract_calls
@@ -55,7 +56,8 @@ class GateContext:
                  profile: str, device: torch.device, record: Callable[..., None],
                  engine: Callable[[dict[str, str]], Any], data_dir: Path | None = None,
                  servers: Callable[[], list[dict[str, Any]]] | None = None,
-                 rebuildable: Callable[[Any], bool] | None = None) -> None:
+                 rebuildable: Callable[[Any], bool] | None = None,
+                 timing: TimingSetup | None = None) -> None:
         self.route = route
         self.kind = kind
         self.registry = registry
@@ -69,6 +71,8 @@ class GateContext:
         self._rebuildable = rebuildable
         # what counts as the candidate's own code when a test raises (routes.origin)
         self.candidate_code = CandidateCode()
+        # the session's timing pool and progress sinks, for speed_gate(..., timing=...)
+        self.timing = timing if timing is not None else TimingSetup()
 
     def __repr__(self) -> str:
         return f"<GateContext {self.kind} {self.route.name} profile={self.profile} " \

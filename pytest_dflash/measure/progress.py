@@ -13,7 +13,8 @@ the xdist worker id such as ``gw0``) appends time-stamped lines to ``DIR/<name>.
 ``-q`` too, so a slow gate in a worker can be watched with ``tail -f``. Each sink is throttled on
 its own interval: a TTY line twice a second and a log line every 30 s need not agree.
 The running CI is a plain bootstrap CI at the policy's confidence over the rounds so far; the
-decision itself is taken by :func:`pytest_dflash.measure.statistics.paired_compare` at its planned
+decision itself is taken by
+:func:`pytest_dflash.measure.round_statistics.paired_compare` at its planned
 looks.
 """
 
@@ -44,14 +45,13 @@ class Sink(Protocol):
     def end(self, label: str, status: str) -> None: ...
 
 
-_SINKS: tuple[Sink, ...] = ()
+SINKS = pytest.StashKey[tuple[Sink, ...]]()  # the session's sinks, set by install_for
 DELAY_S = 3.0  # a gate shows progress only once it has run this long
 
 
-def install(*sinks: Sink) -> None:
-    """Make ``sinks`` receive the progress of every gate from now on (none: no progress)."""
-    global _SINKS
-    _SINKS = sinks
+def sinks_of(config: Any) -> tuple[Sink, ...]:
+    """The sinks that show this session's progress (none: no progress is shown)."""
+    return config.stash.get(SINKS, ())
 
 
 class _Tracker:
@@ -73,7 +73,7 @@ class _Tracker:
                base: Sequence[float]) -> str:
         import numpy as np
 
-        from pytest_dflash.measure.statistics import bootstrap_ci
+        from pytest_dflash.measure.round_statistics import bootstrap_ci
 
         op = "<" if self.rule == "gain" else "<="
         ratios = np.asarray(cand[:done], dtype=float) / np.asarray(base[:done], dtype=float)
@@ -107,10 +107,10 @@ class _Tracker:
 
 @contextmanager
 def gate(label: str, *, rule: str, threshold: float, max_rounds: int, confidence: float,
-         delay_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-         ) -> Iterator[OnRound | None]:
-    """The ``on_round`` callback for one paired comparison, or ``None`` when nobody listens."""
-    sinks = _SINKS
+         sinks: Sequence[Sink] = (), delay_s: float | None = None,
+         clock: Callable[[], float] = time.monotonic) -> Iterator[OnRound | None]:
+    """The ``on_round`` callback for one paired comparison, reporting to ``sinks`` (the
+    session's: :func:`sinks_of`), or ``None`` when nobody listens."""
     if not sinks:
         yield None
         return
@@ -252,8 +252,7 @@ def install_for(config: Any, progress_log: str | Path | None) -> None:
     if log is not None:
         config.pluginmanager.register(log, "dflash-progress-log")
         sinks = (log,)
-    install(*sinks)
-    config.add_cleanup(install)
+    config.stash[SINKS] = sinks
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(_Installer(config, sinks), "dflash-progress-installer")
 
@@ -270,4 +269,4 @@ class _Installer:
         capture = config.pluginmanager.get_plugin("capturemanager")
         sink = TerminalSink(reporter, capture, tty=bool(getattr(reporter, "isatty", False)))
         config.pluginmanager.register(sink, "dflash-progress")
-        install(sink, *self.sinks)
+        config.stash[SINKS] = (sink, *self.sinks)

@@ -5,9 +5,9 @@ interleaved, with the cache state each run would see in production, and if the i
 the variation that a rerun would see. So every speed and validation-cost gate goes through
 :func:`speed_gate`. Given a :class:`~pytest_dflash.measure.timing_pool.TimingJob`, it times the pair
 in the run's timing worker processes and decides on an interval across processes
-(``statistics.process_compare``): pass, fail, or inconclusive (the route stays pending). Without a
-job (a gate that can only build its calls in this process) it times rounds here
-(``statistics.paired_compare``) and decides the same three ways. Either way it
+(``process_statistics.process_compare``): pass, fail, or inconclusive (the route stays
+pending). Without a job (a gate that can only build its calls in this process) it times rounds
+here (``round_statistics.paired_compare``) and decides the same three ways. Either way it
 
 * times ONE call per sample on CUDA: events around the call with the L2 cache flushed first (a
   cold L2, as a prefill that streams its weights sees) and a single synchronize after, so no
@@ -17,7 +17,7 @@ job (a gate that can only build its calls in this process) it times rounds here
   swamp a sub-millisecond call;
 * runs an untimed ``before_each`` (e.g. a prefix-cache reset) before every timed call;
 * warms both sides up, then hands the pair to
-:func:`pytest_dflash.measure.statistics.paired_compare`
+:func:`pytest_dflash.measure.round_statistics.paired_compare`
   with the predeclared policy values, records the figure, CI and raw samples, and fails the test
   with a reviewer-readable message unless the rule passes.
 """
@@ -29,22 +29,23 @@ import math
 import os
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
 
 from pytest_dflash.measure import progress, timing_pool
-from pytest_dflash.measure.statistics import (
-    PairedResult,
-    ProcessResult,
-    RoundTimer,
+from pytest_dflash.measure.decision import (
+    FAIL,
+    INCONCLUSIVE,
+    NEUTRAL,
+    SLOWER,
     max_rounds_for,
-    paired_compare,
-    process_compare,
     threshold_for,
 )
+from pytest_dflash.measure.process_statistics import ProcessResult, process_compare
+from pytest_dflash.measure.round_statistics import PairedResult, RoundTimer, paired_compare
 from pytest_dflash.policy.thresholds import Policy
 
 
@@ -214,29 +215,37 @@ def speed_gate(
     before_each: Callable[[], Any] | None = None,
     rule: str = "gain",
     job: timing_pool.TimingJob | None = None,
+    timing: timing_pool.TimingSetup | None = None,
 ) -> PairedResult | ProcessResult:
     """Time ``candidate`` against ``baseline`` and pass, fail or leave the gate inconclusive.
 
     ``rule="gain"``: the CI upper bound of candidate/baseline must be < 1 - policy.speed_min_gain.
     ``rule="no_regression"``: it must be <= 1 + policy.validation_noise_floor. A CI wholly on the
     other side fails (AssertionError); one that straddles the margin at the cap raises
-    :class:`TimingInconclusive`. With ``job`` and a timing pool installed, the pair is built and
-    timed in the worker processes (``candidate``/``baseline`` may then be None); otherwise in
-    this process, in a seeded random order per round. Measurements, raw samples included, are
+    :class:`TimingInconclusive`. With ``job`` and a timing pool in ``timing`` (the session's:
+    ``dflash_gate.timing``, which also names where progress goes), the pair is built and timed
+    in the worker processes (``candidate``/``baseline`` may then be None); otherwise in this
+    process, in a seeded random order per round. Measurements, raw samples included, are
     passed to ``record`` before the verdict, so a failed gate still reports what it measured.
     """
     load_before = list(os.getloadavg())
-    pool = timing_pool.active()
+    if job is not None and timing is None:
+        raise TypeError(f"{label}: a timing job needs timing=dflash_gate.timing, the session's "
+                        "pool of timing workers (outside a pytest session, timing=TimingSetup() "
+                        "times the pair in this process)")
+    timing = timing or timing_pool.TimingSetup()
+    pool = timing.pool
     if job is not None and pool is not None:
         result: PairedResult | ProcessResult = _across_processes(
             pool, job, policy=policy, label=label, rule=rule,
-            budget_s=process_budget(rule, device, policy))
+            budget_s=process_budget(rule, device, policy), sinks=timing.sinks)
         extra: dict[str, Any] = {"pool_workers": pool.size}
     else:
         if not callable(candidate) or not callable(baseline):
             raise TypeError(f"{label}: candidate and baseline must be zero-argument callables")
         result, extra = _in_process(candidate, baseline, policy=policy, device=device,
-                                    label=label, before_each=before_each, rule=rule)
+                                    label=label, before_each=before_each, rule=rule,
+                                    sinks=timing.sinks)
     record(
         **result.measurements(),
         **extra,
@@ -246,11 +255,11 @@ def speed_gate(
         threads=torch.get_num_threads(),
     )
     decision = result.decision
-    if decision == "fail":
+    if decision == FAIL:
         raise AssertionError(
             f"{label}: {_verdict_words(result)}: {result.figure()}; {result.requirement()}"
         )
-    if decision == "inconclusive":
+    if decision == INCONCLUSIVE:
         where = f" ({result.stop_reason()})" if isinstance(result, ProcessResult) else ""
         raise TimingInconclusive(
             f"{label}: inconclusive, route left pending: {result.figure()} straddles the "
@@ -268,7 +277,8 @@ def process_budget(rule: str, device: torch.device | str, policy: Policy) -> flo
 
 
 def _across_processes(pool: timing_pool.TimingPool, job: timing_pool.TimingJob, *, policy: Policy,
-                      label: str, rule: str, budget_s: float) -> ProcessResult:
+                      label: str, rule: str, budget_s: float,
+                      sinks: Sequence[Any] = ()) -> ProcessResult:
     """The pool's first workers give the first look, each later look the next ones."""
     threshold = threshold_for(rule, policy)
     seed = policy.seed + zlib.crc32(label.encode())
@@ -284,7 +294,7 @@ def _across_processes(pool: timing_pool.TimingPool, job: timing_pool.TimingJob, 
 
     with progress.gate(label, rule=rule, threshold=threshold,
                        max_rounds=policy.timing_max_processes,
-                       confidence=policy.speed_confidence):
+                       confidence=policy.speed_confidence, sinks=sinks):
         return process_compare(
             sample, processes=policy.timing_processes,
             max_processes=policy.timing_max_processes,
@@ -295,7 +305,7 @@ def _across_processes(pool: timing_pool.TimingPool, job: timing_pool.TimingJob, 
 
 def _in_process(candidate: Callable[[], Any], baseline: Callable[[], Any], *, policy: Policy,
                 device: torch.device | str, label: str, before_each: Callable[[], Any] | None,
-                rule: str) -> tuple[PairedResult, dict[str, Any]]:
+                rule: str, sinks: Sequence[Any] = ()) -> tuple[PairedResult, dict[str, Any]]:
     if before_each is not None and not callable(before_each):
         raise TypeError(f"{label}: before_each must be a zero-argument callable or None")
     threshold = threshold_for(rule, policy)
@@ -303,7 +313,7 @@ def _in_process(candidate: Callable[[], Any], baseline: Callable[[], Any], *, po
                                                                policy.cpu_sample_min_s)
     max_rounds = max_rounds_for(rule, policy)
     with progress.gate(label, rule=rule, threshold=threshold, max_rounds=max_rounds,
-                       confidence=policy.speed_confidence) as on_round:
+                       confidence=policy.speed_confidence, sinks=sinks) as on_round:
         result = paired_compare(
             round_timer(candidate, baseline, device=device, calls=calls, before_each=before_each),
             rounds=policy.speed_rounds,
@@ -396,7 +406,7 @@ def _verdict_words(result: PairedResult | ProcessResult) -> str:
     """How a pull request would phrase the failure ("neutral, not selected")."""
     if result.rule == "gain":
         return {
-            "slower": "slower, rejected on speed",
-            "neutral": "neutral, not selected",
+            SLOWER: "slower, rejected on speed",
+            NEUTRAL: "neutral, not selected",
         }[result.outcome]
     return "slower, regression beyond the noise floor"

@@ -29,7 +29,6 @@ import pluggy
 
 from pytest_dflash.measure.timing_pool import ALLOCATOR_ENV, PROTOCOL_FD_ENV, TimedPair
 from pytest_dflash.routes.origin import CandidateCode, origin_of
-from pytest_dflash.routes.registry import selection_key
 
 _hookimpl = pluggy.HookimplMarker("pytest")  # what pytest.hookimpl marks, without pytest
 
@@ -56,7 +55,6 @@ class WorkerContext:
         self.candidate: str | None = None
         self.candidate_code = CandidateCode()
         self._factory: Any = None
-        self._engines: dict[tuple[tuple[str, str], ...], Any] = {}
         self.registry, manager, route_plugins = _rebuild_registry(
             spec["plugins"], spec.get("worker_plugins") or [], self.policy)
         manager.register(_DefaultEngine(self), "dflash-worker-engine")
@@ -72,27 +70,26 @@ class WorkerContext:
         selection in this worker, as the gate's process builds it: through the worker plugins'
         ``pytest_dflash_engine`` (a self-test's planted route: its engine, as the gate built
         it), else the worker's engine factory."""
-        selection = self.registry.engine_selection(route_names)
-        key = selection_key(selection)
-        if key not in self._engines:
-            engine = self.hook.pytest_dflash_engine(config=self, selection=dict(selection),
-                                                    profile=self.profile)
-            if engine is None:
-                raise RuntimeError(f"no engine was built for {selection} in a timing worker")
-            self._engines[key] = engine
-        if self.candidate is not None and self.candidate in route_names:
-            self.candidate_code.add(self._engines[key])
-        return self._engines[key]
 
-    def default_engine(self, selection: dict[str, str]) -> Any:
-        """The worker's own engine of ``selection``, built once by its engine factory."""
+        def hook(selection: dict[str, str]) -> Any:
+            return self.hook.pytest_dflash_engine(config=self, selection=selection,
+                                                  profile=self.profile)
+
+        engine = self.factory.engine(self.registry.engine_selection(route_names), hook)
+        if self.candidate is not None and self.candidate in route_names:
+            self.candidate_code.add(engine)
+        return engine
+
+    @property
+    def factory(self) -> Any:
+        """The worker's engine factory, whose cache holds one engine per selection."""
         if self._factory is None:
             from pytest_dflash.engines.factory import EngineFactory
 
             self._factory = EngineFactory(
                 self.registry, self.profile, self.device.type,
                 hf_model=Path(self.hf_model) if self.hf_model else None)
-        return self._factory.cached(selection)
+        return self._factory
 
     def implementation(self, route: str) -> Any:
         """The implementation object of ``route``, as the gate's process resolves it."""
@@ -129,7 +126,7 @@ class _DefaultEngine:
 
     @_hookimpl(trylast=True)
     def pytest_dflash_engine(self, config: Any, selection: dict[str, str], profile: str) -> Any:
-        return self.ctx.default_engine(selection)
+        return self.ctx.factory.engine(selection)
 
 
 def _rebuild_registry(

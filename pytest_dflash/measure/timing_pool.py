@@ -3,7 +3,8 @@
 Why processes: a process carries a bias of its own (memory placement, the host path's dispatch
 cost), so an interval over the rounds of one process covers only that process's noise and can
 reject identical code. Each timing gate therefore collects one statistic from each of several
-worker processes and decides on the interval across them (``statistics.process_compare``).
+worker processes and decides on the interval across them
+(``process_statistics.process_compare``).
 
 Cost: starting a worker imports torch, loads the kernels and rebuilds the route registry, which
 takes seconds, so a :class:`TimingPool` of ``policy.timing_processes`` workers is started once
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_dflash.routes import origin
 
 if TYPE_CHECKING:  # numpy stays off the plugin's import path
-    from pytest_dflash.measure.statistics import ProcessSample
+    from pytest_dflash.measure.process_statistics import ProcessSample
 
 PROTOCOL_FD_ENV = "DFLASH_TIMING_PROTOCOL_FD"
 START_TIMEOUT_S = 300.0
@@ -362,7 +363,7 @@ class TimingPool:
         process contributes twice to one gate's interval. Workers a look needs beyond those
         running are started then and stay in the pool, so a later gate's later look finds them.
         """
-        from pytest_dflash.measure.statistics import ProcessSample
+        from pytest_dflash.measure.process_statistics import ProcessSample
 
         self._ensure(label, max(self.size, first + count))
         samples: list[ProcessSample] = []
@@ -413,15 +414,12 @@ def _replay_hits(counts: Sequence[Sequence[Any]]) -> None:
         hits.record(route, op, int(n))
 
 
-_active: TimingPool | None = None
+@dataclass(frozen=True)
+class TimingSetup:
+    """Where a session's timing gates time and show their progress: the run's pool of worker
+    processes (None: time in the gate's process) and the progress sinks
+    (``progress.Sink``). The session keeps both under StashKeys and hands them to a gate as
+    ``dflash_gate.timing``, so two pytest sessions in one process never share either."""
 
-
-def install(pool: TimingPool | None) -> TimingPool | None:
-    """Make ``pool`` the one timing gates use (None: none); returns the previous one."""
-    global _active
-    previous, _active = _active, pool
-    return previous
-
-
-def active() -> TimingPool | None:
-    return _active
+    pool: TimingPool | None = None
+    sinks: tuple[Any, ...] = ()

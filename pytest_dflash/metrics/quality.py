@@ -308,7 +308,7 @@ def summarize_quality(
     candidate has more than policy.quality_contract_margin extra output-contract failures; (3) its
     natural-stop rate is lower by more than policy.quality_stop_rate_margin.
     """
-    from pytest_dflash.measure.statistics import mcnemar_exact, mcnemar_regression
+    from pytest_dflash.measure.round_statistics import mcnemar_exact, mcnemar_regression
 
     base = _records(baseline_results, "baseline")
     cand = _records(candidate_results, "candidate")

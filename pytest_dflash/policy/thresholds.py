@@ -68,8 +68,8 @@ class Policy:
     # budget shrinks as 1/sqrt(seconds): with the median of the rounds, 0.93% at 0.25 s and 0.36
     # to 0.40% at 1 s (verify steps, benchmarks/results/cpu-round-design.json), where 8 widths
     # that must all pass at 0.25 s ended inconclusive in 2 to 4 of 10 runs of identical code.
-    # The interquartile mean (statistics.process_statistic) reaches the median's spread at 1 s
-    # in a little over half the rounds (cpu-process-statistic.json). Never on CUDA: a graph
+    # The interquartile mean (process_statistics.process_statistic) reaches the median's spread
+    # at 1 s in a little over half the rounds (cpu-process-statistic.json). Never on CUDA: a graph
     # replay already fills 0.25 s with a thousand rounds.
     cpu_validation_process_s: float = 0.6
     # a round that outlasts the budget (a cold prefill, a long attention) gets this many: a

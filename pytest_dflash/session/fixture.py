@@ -13,10 +13,12 @@ from typing import Any
 import pytest
 
 from pytest_dflash import settings
+from pytest_dflash.measure import progress
 from pytest_dflash.measure.gate import GateContext
+from pytest_dflash.measure.timing_pool import TimingSetup
 from pytest_dflash.native import hits
 from pytest_dflash.policy.thresholds import Policy
-from pytest_dflash.routes.registry import Route, RouteRegistry, selection_key
+from pytest_dflash.routes.registry import Route, RouteRegistry
 from pytest_dflash.session import engine_factory
 from pytest_dflash.session.environment import profile_of, sidecar_path, torch_device
 from pytest_dflash.session.state import CANDIDATE_CODE, binding, state_of
@@ -86,27 +88,22 @@ def dflash_record(request: pytest.FixtureRequest) -> Callable[..., None]:
 
 @pytest.fixture(scope="session")
 def dflash_engine(pytestconfig: pytest.Config) -> Callable[[dict[str, str]], Any]:
-    """Factory: ``dflash_engine(selection)`` builds (once per selection) an engine via the
-    ``pytest_dflash_engine`` hook; the embedded reference engine answers last. An engine that
-    cannot run a selection at all (``EngineUnsupported``: a route it cannot switch, a server
-    nobody named) skips the test with the engine's reason: the gate stays pending."""
+    """Factory: ``dflash_engine(selection)`` builds (once per selection, in the session's one
+    engine cache, ``EngineFactory.engine``) an engine via the ``pytest_dflash_engine`` hook;
+    the embedded reference engine answers last. An engine that cannot run a selection at all
+    (``EngineUnsupported``: a route it cannot switch, a server nobody named) skips the test
+    with the engine's reason: the gate stays pending."""
     from pytest_dflash.engines import EngineUnsupported
 
-    cache: dict[tuple[tuple[str, str], ...], Any] = {}
+    def hook(selection: dict[str, str]) -> Any:
+        return pytestconfig.hook.pytest_dflash_engine(
+            config=pytestconfig, selection=selection, profile=profile_of(pytestconfig))
 
     def build(selection: dict[str, str]) -> Any:
-        key = selection_key(selection)
-        if key not in cache:
-            try:
-                engine = pytestconfig.hook.pytest_dflash_engine(
-                    config=pytestconfig, selection=dict(selection),
-                    profile=profile_of(pytestconfig))
-            except EngineUnsupported as exc:
-                pytest.skip(f"the engine cannot run this selection: {exc}")
-            if engine is None:
-                raise RuntimeError("no pytest_dflash_engine implementation built an engine")
-            cache[key] = engine_factory.factory_of(pytestconfig).adopt(engine)  # closed at the end
-        return cache[key]
+        try:
+            return engine_factory.factory_of(pytestconfig).engine(selection, hook)
+        except EngineUnsupported as exc:
+            pytest.skip(f"the engine cannot run this selection: {exc}")
 
     return build
 
@@ -133,7 +130,9 @@ def dflash_gate(request: pytest.FixtureRequest, dflash_route: Route,
                        data_dir=settings.of(config).data,
                        servers=lambda: engine_factory.factory_of(config).servers(),
                        rebuildable=lambda engine: engine_factory.factory_of(config).rebuildable(
-                           selftest_engine.unwrapped(engine)))
+                           selftest_engine.unwrapped(engine)),
+                       timing=TimingSetup(pool=state_of(config).timing_pool,
+                                          sinks=progress.sinks_of(config)))
     request.node.stash[CANDIDATE_CODE] = gate.candidate_code  # read if the test raises
     if dflash_route.hit_source is None:
         yield gate

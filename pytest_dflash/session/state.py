@@ -103,7 +103,6 @@ def start(config: pytest.Config) -> DflashState:
     state.timing_pool = timing_pool.TimingPool(
         lambda: _worker_spec(config, state, route_plugins),
         size=state.policy.timing_processes, timeout_s=state.policy.timing_worker_timeout_s)
-    timing_pool.install(state.timing_pool)
     return state
 
 
@@ -131,8 +130,6 @@ def stop(config: pytest.Config) -> None:
     pool = getattr(state, "timing_pool", None)
     if pool is not None:
         pool.close()
-        if timing_pool.active() is pool:
-            timing_pool.install(None)
 
 
 def _select(state: DflashState, asked: settings.Settings) -> None:

@@ -54,12 +54,6 @@ def _wanted_gpus(config: pytest.Config) -> list[gpus.Gpu] | None:
     return found
 
 
-def _distributed(config: pytest.Config) -> bool:
-    option = config.option
-    return (getattr(option, "dist", "no") != "no" and bool(getattr(option, "tx", None))
-            and not hasattr(config, "workerinput"))
-
-
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto`` on a GPU box: one worker per visible GPU (None: xdist counts CPUs)."""
@@ -72,7 +66,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[WORKER_GPU] = None
     if hasattr(config, "workerinput"):
         _configure_worker(config)
-    elif _distributed(config):
+    elif settings.xdist_controller(config):
         _configure_controller(config)
 
 
@@ -80,10 +74,8 @@ def _configure_controller(config: pytest.Config) -> None:
     found = _wanted_gpus(config)
     if found is None:
         return
-    from xdist.workermanage import parse_tx_spec_config
-
-    specs = parse_tx_spec_config(config)
-    dist = config.option.dist
+    specs = settings.xdist_worker_specs(config)
+    dist = settings.xdist_dist(config)
     if dist not in ("load", "loadgroup"):
         raise pytest.UsageError(
             f"pytest-dflash: --dist {dist} could split a timing gate across GPUs; with one GPU "
@@ -98,9 +90,9 @@ def _configure_controller(config: pytest.Config) -> None:
         if gpus.THREADS_ENV not in os.environ:
             shares = gpus.core_shares(len(cards))
             threads = len(shares[0]) if shares else 1
-        config.option.tx = [gpus.worker_spec(specs[slot], slot, gpu, threads,
-                                             shares[slot] if shares else None)
-                            for slot, gpu in enumerate(cards)]
+        settings.set_xdist_workers(config, [
+            gpus.worker_spec(specs[slot], slot, gpu, threads, shares[slot] if shares else None)
+            for slot, gpu in enumerate(cards)])
     except gpus.GpuError as exc:
         raise pytest.UsageError(f"pytest-dflash: {exc}") from None
     config.stash[SAVED_ENV] = {name: os.environ.get(name)
@@ -174,7 +166,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return self.groups.get(nodeid) or super()._split_scope(nodeid)
 
     # keep the workers' longest-first order: xdist would otherwise sort the units by test count
-    config.option.loadscopereorder = False
+    settings.keep_xdist_order(config)
     return GateGroupScheduling(config, log)
 
 

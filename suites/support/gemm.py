@@ -24,6 +24,7 @@ from pytest_dflash.policy.thresholds import Policy
 
 if TYPE_CHECKING:
     from pytest_dflash.measure.gate import GateContext
+    from pytest_dflash.measure.timing_pool import TimingSetup
 
 # (K, N) of the target deployment's projections (docs/gates.md, "gemm.nvfp4") and its prefill
 # chunk M (Q3296); profiles divide them by ProfileSizes.gemm_divisor.
@@ -256,7 +257,8 @@ def speed_pair(ctx: Any, *, route: str, layer: str) -> Any:
 def run_validation_cost(candidate_name: str, candidate: Any, disabled: Any, *, policy: Policy,
                         profile: str, device: torch.device,
                         record: Callable[..., None],
-                        disabled_name: str | None = None) -> dict[str, Any]:
+                        disabled_name: str | None = None,
+                        timing: TimingSetup | None = None) -> dict[str, Any]:
     """The op-level validation-cost gate for one candidate (docs/gates.md, "validation_cost").
 
     ``disabled`` is the family's verify route, what serves M <= 8 with the candidate off. For
@@ -303,7 +305,7 @@ def run_validation_cost(candidate_name: str, candidate: Any, disabled: Any, *, p
         try:
             result = speed_gate(step_on, step_off, policy=policy, device=device,
                                 record=per_m.update, label=f"verify M={m}",
-                                rule="no_regression", job=job)
+                                rule="no_regression", job=job, timing=timing)
             if worst is None or result.ci_high > worst[1].ci_high:
                 worst = (m, result)
         except AssertionError as exc:
