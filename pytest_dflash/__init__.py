@@ -12,16 +12,21 @@ device and profile.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pytest_dflash.native import hits
 from pytest_dflash.routes.families import Family
 from pytest_dflash.routes.registry import RegistryError, Route, RouteRegistry
 
+if TYPE_CHECKING:
+    import pytest
+
+    from pytest_dflash.engines import Engine
+
 __all__ = ["Family", "Route", "RouteRegistry", "RegistryError", "hits", "default_engine"]
 
 
-def default_engine(config: Any, selection: Mapping[str, str]) -> Any:
+def default_engine(config: pytest.Config, selection: Mapping[str, str]) -> Engine:
     """The engine pytest-dflash builds for ``selection`` (family -> route name; families left
     out run their baselines) when no plugin answers ``pytest_dflash_engine``: the reference
     engine on the gate device, the transformers engine under ``--dflash-engine hf:PATH``, or

@@ -91,7 +91,7 @@ class Capabilities:
 IN_PROCESS = Capabilities()
 
 
-def capabilities_of(engine: Any) -> Capabilities:
+def capabilities_of(engine: Engine) -> Capabilities:
     caps = getattr(engine, "capabilities", None)
     if caps is None:
         return IN_PROCESS
@@ -176,7 +176,7 @@ class Engine(Protocol):
 
 
 def generate_all(
-    engine: Any, prompts: list[str], max_new_tokens: int, stop: list[str] | None,
+    engine: Engine, prompts: list[str], max_new_tokens: int, stop: list[str] | None,
     sampling: Sampling, batch: int,
     on_complete: Callable[[int, Generation], None] | None = None,
 ) -> tuple[list[Generation], str]:
@@ -199,7 +199,7 @@ def generate_all(
     return gens, "generate, one completion at a time"
 
 
-def close(engine: Any) -> None:
+def close(engine: Engine) -> None:
     """Release what an engine holds (a server process, a connection); engines without a
     ``close`` hold nothing that outlives them."""
     closer = getattr(engine, "close", None)

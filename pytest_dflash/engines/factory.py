@@ -12,18 +12,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_dflash.engines import close as close_engine
 from pytest_dflash.routes.registry import selection_key
+
+if TYPE_CHECKING:
+    from pytest_dflash.engines import Engine
+    from pytest_dflash.routes.registry import RouteRegistry
 
 
 class EngineFactory:
     """Builds and owns the session's engines (see the module docstring)."""
 
-    def __init__(self, registry: Any, profile: str, device: str, *, serve: str | None = None,
-                 urls: Mapping[str, str] | None = None, startup_timeout_s: float = 600.0,
-                 request_timeout_s: float = 600.0, log_dir: Path | None = None,
+    def __init__(self, registry: RouteRegistry, profile: str, device: str, *,
+                 serve: str | None = None, urls: Mapping[str, str] | None = None,
+                 startup_timeout_s: float = 600.0, request_timeout_s: float = 600.0,
+                 log_dir: Path | None = None,
                  hf_model: Path | None = None,
                  base_env: Mapping[str, str] | None = None) -> None:
         if hf_model is not None and (serve or urls):
@@ -61,6 +66,7 @@ class EngineFactory:
             if route.family != family:
                 raise ValueError(f"selection maps family {family!r} to route {name!r}, which "
                                  f"is of family {route.family!r}")
+        engine: Any
         if self.pool is not None:
             engine = self.pool.engine(full)
         elif self.hf_model is not None:
@@ -99,13 +105,13 @@ class EngineFactory:
             self._cache.setdefault(key, self.adopt(engine))
         return self._cache[key]
 
-    def rebuildable(self, engine: Any) -> bool:
+    def rebuildable(self, engine: Engine) -> bool:
         """True for an engine this factory built in process (the reference or the transformers
         engine): a timing worker builds the very same one from the session's registry and
         options. A server, or an engine another plugin's hook built, lives here only."""
         return self.pool is None and any(e is engine for e in self._own)
 
-    def adopt(self, engine: Any) -> Any:
+    def adopt(self, engine: Engine) -> Engine:
         """Take an engine another hook implementation built, so it is closed with the rest."""
         if engine not in self.engines:
             self.engines.append(engine)

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_dflash.engines import (
     Capabilities,
@@ -48,6 +48,9 @@ from pytest_dflash.engines import (
 )
 from pytest_dflash.routes import origin
 from pytest_dflash.routes.registry import selection_key
+
+if TYPE_CHECKING:
+    from pytest_dflash.routes.registry import RouteRegistry
 
 STOP_LIMIT = 4  # the OpenAI completions API takes at most four stop sequences
 SELECTION_ENV = "DFLASH_ROUTES"  # names of the enabled routes, so a server can check its switches
@@ -107,7 +110,7 @@ def apply_stops(text: str, stops: list[str]) -> tuple[str, bool]:
 
 # ------------------------------------------------------------------------- selections
 
-def switches_for(selection: Mapping[str, str], registry: Any) -> dict[str, str]:
+def switches_for(selection: Mapping[str, str], registry: RouteRegistry) -> dict[str, str]:
     """``NAME=1`` for every non-baseline route in ``selection`` (what ``pytest-dflash enable``
     prints for accepted routes) plus each such route's ``server_env`` (the server's own
     settings, e.g. llama_cpp.server's ``N_UBATCH``), the switches of every other registered
@@ -127,11 +130,11 @@ def switches_for(selection: Mapping[str, str], registry: Any) -> dict[str, str]:
     return env
 
 
-def enabled_routes(selection: Mapping[str, str], registry: Any) -> list[str]:
+def enabled_routes(selection: Mapping[str, str], registry: RouteRegistry) -> list[str]:
     return sorted(n for n in selection.values() if registry.get(n).role == "candidate")
 
 
-def server_env(selection: Mapping[str, str], registry: Any, base: Mapping[str, str],
+def server_env(selection: Mapping[str, str], registry: RouteRegistry, base: Mapping[str, str],
                profile: str | None = None, device: str | None = None) -> dict[str, str]:
     """The environment of a server for ``selection``: ``base`` without any registered route's
     switch (none leaks in from the caller's shell), then this selection's switches. The session
@@ -166,7 +169,7 @@ def parse_engine_urls(specs: list[str]) -> dict[str, str]:
     return urls
 
 
-def url_key(selection: Mapping[str, str], registry: Any, urls: Mapping[str, str]) -> str:
+def url_key(selection: Mapping[str, str], registry: RouteRegistry, urls: Mapping[str, str]) -> str:
     """Which ``--dflash-engine-url`` serves ``selection``: ``baseline`` for the baselines, the
     route's own name, else ``candidate`` when exactly one route is switched on."""
     enabled = enabled_routes(selection, registry)
@@ -421,7 +424,7 @@ class ServerPool:
     share a GPU). With URLs, selections map to the user's servers and nothing is started.
     """
 
-    def __init__(self, registry: Any, *, command: str | None = None,
+    def __init__(self, registry: RouteRegistry, *, command: str | None = None,
                  urls: Mapping[str, str] | None = None, profile: str | None = None,
                  device: str | None = None, startup_timeout_s: float = 600.0,
                  request_timeout_s: float = 600.0, stop_limit: int = STOP_LIMIT,
@@ -480,6 +483,9 @@ class ServerPool:
                 raise self.process.describe("exited while serving")
             return self.process.url
         self.stop()
+        if self.command is None:
+            raise ServerError(f"no server for {self.label(selection)}: give its URL with "
+                              "--dflash-engine-url or a command with --dflash-serve")
         env = server_env(selection, self.registry, self.base_env, self.profile, self.device)
         process = ServerProcess(self.command, env, self.label(selection),
                                 startup_timeout_s=self.startup_timeout_s,

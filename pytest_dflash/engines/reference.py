@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,9 @@ from pytest_dflash.engines.model import (
 from pytest_dflash.engines.tokenizer import BOS, EOS, decode, encode
 from pytest_dflash.native import hits
 
+if TYPE_CHECKING:
+    from pytest_dflash.routes.registry import RouteRegistry
+
 ATTN, GEMM, GEOMETRY = "attn.d256", "gemm.nvfp4", "prefill.geometry"
 FAMILIES = (ATTN, GEMM, GEOMETRY)
 MAX_VERIFY_ROWS = 8
@@ -68,7 +71,8 @@ def _checkpoint(path: str, mtime_ns: int, size: int) -> tuple[ModelConfig, dict[
     return load_checkpoint(path)
 
 
-def _resolve(selection: Mapping[str, str], registry: Any) -> dict[str, tuple[str, Any]]:
+def _resolve(selection: Mapping[str, str],
+             registry: RouteRegistry | None) -> dict[str, tuple[str, Any]]:
     if registry is None:
         from pytest_dflash.routes.registry import RouteRegistry
         from pytest_dflash.routes.shipped import SHIPPED_ROUTES
@@ -204,7 +208,7 @@ class ReferenceEngine:
     capabilities = IN_PROCESS  # in process: full logits, verify steps, route hits, timing
 
     def __init__(self, selection: Mapping[str, str], profile: str, device: str | torch.device,
-                 registry: Any = None, model_dir: str | Path | None = None,
+                 registry: RouteRegistry | None = None, model_dir: str | Path | None = None,
                  compute_dtype: torch.dtype | None = None) -> None:
         self.device = torch.device(device)
         self.profile = profile
@@ -291,7 +295,9 @@ class ReferenceEngine:
             p = self.layer_params[i]
             h = rms_norm(x, self.w[f"layers.{i}.norm1.weight"], cfg.norm_eps)
             if cfg.is_attention(i):
-                y = self._attention([state.kv[i] for state in states], p, h, starts)
+                # an attention layer's KV exists from the state's creation on
+                y = self._attention(cast("list[_KV]", [state.kv[i] for state in states]), p, h,
+                                    starts)
             else:
                 y, conv, ssm = ssm_mixer(p, h, cfg, _stacked(states, "conv", i),
                                          _stacked(states, "ssm", i), self.state_dtype,
@@ -415,6 +421,7 @@ class ReferenceEngine:
             seconds = time.perf_counter() - t0
             self._store(state)
             self._current = state
+        assert state.last_logits is not None  # set by the chunk that ran last
         logits = state.last_logits.float().cpu()
         return PrefillResult(int(logits.argmax()), hashlib.sha256(logits.numpy().tobytes())
                              .hexdigest(), len(ids), seconds, chunks)
@@ -511,6 +518,7 @@ class ReferenceEngine:
                 while waiting and len(active) < batch:
                     index, ids = waiting.popleft()
                     self.prefill(ids)
+                    assert self._current is not None  # the prefill's state
                     active.append(_Sequence(index, self._current.clone(),
                                             torch.Generator().manual_seed(sampling.seed)))
                 picked = self._pick_rows(active, sampling)
@@ -596,7 +604,7 @@ class ReferenceEngine:
 
 
 def build(selection: Mapping[str, str], profile: str, device: str | torch.device = "cpu",
-          registry: Any = None, model_dir: str | Path | None = None,
+          registry: RouteRegistry | None = None, model_dir: str | Path | None = None,
           compute_dtype: torch.dtype | None = None) -> ReferenceEngine:
     """The reference engine for a family -> route selection (missing families: baselines)."""
     return ReferenceEngine(selection, profile, device, registry=registry, model_dir=model_dir,

@@ -26,12 +26,15 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pytest_dflash.engines.openai_server import DEVICE_ENV, PROFILE_ENV, SELECTION_ENV
 from pytest_dflash.routes.registry import RouteRegistry
+
+if TYPE_CHECKING:
+    from pytest_dflash.engines.reference import ReferenceEngine
 
 MODEL_NAME = "dflash-reference"
 MAX_MODEL_LEN = 131072  # no positional limit in the model; above the full profile's prompts
@@ -126,7 +129,7 @@ class CompletionRequest(BaseModel):
 class Served:
     """The engine, its lock (one request at a time: the engine keeps state) and its name."""
 
-    def __init__(self, engine: Any, registry: RouteRegistry, name: str, profile: str,
+    def __init__(self, engine: ReferenceEngine, registry: RouteRegistry, name: str, profile: str,
                  device: str) -> None:
         self.engine, self.registry, self.name = engine, registry, name
         self.profile, self.device = profile, device
@@ -148,7 +151,11 @@ def completion_logprobs(ids: list[int], scored: tuple[list[float], list[int], li
                         first_scored: int, as_ids: bool) -> dict[str, Any]:
     """OpenAI ``logprobs`` of ``ids[first_scored:]`` (the first token of a sequence has none)."""
     chosen, _, top = scored
-    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, Any] | None] = []
+    offsets: list[int] = []
+    offset = 0
     for pos in range(first_scored, len(ids)):
         text = _key(ids[pos], as_ids)
         tokens.append(text)

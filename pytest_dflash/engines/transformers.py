@@ -50,7 +50,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_dflash.engines import (
     IN_PROCESS,
@@ -62,6 +62,9 @@ from pytest_dflash.engines import (
     check_positions,
 )
 from pytest_dflash.routes.registry import Route
+
+if TYPE_CHECKING:
+    from pytest_dflash.routes.registry import RouteRegistry
 
 ATTN, GEMM, GEOMETRY = "attn.d256", "gemm.nvfp4", "prefill.geometry"
 BASELINE = f"{GEOMETRY}.fp32_q3296"
@@ -239,7 +242,7 @@ ROUTES: tuple[Route, ...] = (
 )
 
 
-def pytest_dflash_routes(registry: Any) -> None:
+def pytest_dflash_routes(registry: RouteRegistry) -> None:
     """Register :data:`ROUTES` (this module is registered as a plugin only while the
     transformers engine is selected, so the reference engine never faces them)."""
     for route in ROUTES:
@@ -259,7 +262,7 @@ def default_registry() -> Any:
     return registry
 
 
-def settings_for(selection: Mapping[str, str], registry: Any) -> tuple[str, HFSettings]:
+def settings_for(selection: Mapping[str, str], registry: RouteRegistry) -> tuple[str, HFSettings]:
     """The ``prefill.geometry`` route of ``selection`` as transformers settings."""
     from pytest_dflash.engines.geometry import Geometry
 
@@ -280,7 +283,8 @@ def settings_for(selection: Mapping[str, str], registry: Any) -> tuple[str, HFSe
     )
 
 
-def route_objects(selection: Mapping[str, str], registry: Any) -> dict[str, tuple[str, Any]]:
+def route_objects(selection: Mapping[str, str],
+                  registry: RouteRegistry) -> dict[str, tuple[str, Any]]:
     """family -> (route name, route object) for attn.d256 and gemm.nvfp4 (baselines where the
     selection names none), each checked against its family contract."""
     out = {}
@@ -309,7 +313,7 @@ class TransformersEngine:
         selection: Mapping[str, str],
         profile: str,
         device: str = "cpu",
-        registry: Any = None,
+        registry: RouteRegistry | None = None,
     ) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -364,7 +368,7 @@ class TransformersEngine:
         self._kernel: Counter[str] = Counter()
         self._depth = 0
 
-    def _attention_choice(self, registry: Any) -> str:
+    def _attention_choice(self, registry: RouteRegistry) -> str:
         """The ``attn_implementation`` the model is loaded with: the attn.d256 route's function
         for a model with head dim 256, transformers' own otherwise (then only the family's
         baseline can be selected) and for a geometry route that asks for eager attention."""
@@ -665,7 +669,7 @@ def build(
     selection: Mapping[str, str],
     profile: str,
     device: str = "cpu",
-    registry: Any = None,
+    registry: RouteRegistry | None = None,
 ) -> TransformersEngine:
     """The transformers engine of ``model_path`` for a family -> route selection."""
     return TransformersEngine(model_path, selection, profile, device, registry)

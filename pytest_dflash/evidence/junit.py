@@ -9,7 +9,10 @@ flat properties; :func:`add_verdicts` adds one suite-level property per candidat
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pytest
 
 from pytest_dflash.evidence import timings
 
@@ -66,7 +69,7 @@ def flatten(report: Any, key: str, binding: dict[str, Any]) -> None:
     report.user_properties = kept + properties(binding)
 
 
-def add_verdicts(config: Any, evidence: dict[str, Any]) -> None:
+def add_verdicts(config: pytest.Config, evidence: dict[str, Any]) -> None:
     """One suite-level ``dflash_verdict.<route>`` property per candidate, when --junitxml is on."""
     from _pytest.junitxml import xml_key
 

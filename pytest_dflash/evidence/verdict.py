@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS
 
@@ -174,8 +174,7 @@ def timing_disagreement(test: Mapping[str, Any], policy: Policy) -> str | None:
     low, high = measured.get("ci_low"), measured.get("ci_high")
     if rule not in RULES:
         return f"unknown timing rule {rule!r} (known: {', '.join(RULES)})"
-    numbers = (threshold, low, high)
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
+    if not (_real(threshold) and _real(low) and _real(high)):
         return "timing record lacks a numeric threshold, ci_low or ci_high"
     expected = threshold_for(rule, policy)
     if not math.isclose(threshold, expected, rel_tol=1e-12, abs_tol=1e-12):
@@ -185,9 +184,14 @@ def timing_disagreement(test: Mapping[str, Any], policy: Policy) -> str | None:
     return None
 
 
+def _real(value: Any) -> TypeGuard[int | float]:
+    """A JSON number (a bool is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def disagreements(routes: Mapping[str, Mapping[str, Any]], policy: Policy) -> list[str]:
     """Every stored decision of a report's ``routes`` that its recorded tests do not support."""
-    fresh = copy.deepcopy(dict(routes))
+    fresh: dict[str, dict[str, Any]] = copy.deepcopy({k: dict(v) for k, v in routes.items()})
     recompute(fresh)
     problems: list[str] = []
     for name, entry in routes.items():

@@ -49,7 +49,7 @@ SINKS = pytest.StashKey[tuple[Sink, ...]]()  # the session's sinks, set by insta
 DELAY_S = 3.0  # a gate shows progress only once it has run this long
 
 
-def sinks_of(config: Any) -> tuple[Sink, ...]:
+def sinks_of(config: pytest.Config) -> tuple[Sink, ...]:
     """The sinks that show this session's progress (none: no progress is shown)."""
     return config.stash.get(SINKS, ())
 
@@ -224,7 +224,7 @@ class FileSink:
             log.write(f"{stamp} {text}\n")
 
 
-def _file_sink(config: Any, value: str | Path | None) -> FileSink | None:
+def _file_sink(config: pytest.Config, value: str | Path | None) -> FileSink | None:
     """The ``--dflash-progress-log`` sink of this process (``main``, or the xdist worker id),
     or None without the option. An unusable directory is a usage error here, at start."""
     if value is None:
@@ -242,7 +242,7 @@ def _file_sink(config: Any, value: str | Path | None) -> FileSink | None:
         ) from None
 
 
-def install_for(config: Any, progress_log: str | Path | None) -> None:
+def install_for(config: pytest.Config, progress_log: str | Path | None) -> None:
     """Show progress in this pytest session where it should be shown: in the log file of
     ``--dflash-progress-log`` (``progress_log``, from the settings) from now on (every process),
     and on the terminal from session start (when pytest's terminal reporter exists: it is
@@ -258,7 +258,7 @@ def install_for(config: Any, progress_log: str | Path | None) -> None:
 
 
 class _Installer:
-    def __init__(self, config: Any, sinks: tuple[Sink, ...]) -> None:
+    def __init__(self, config: pytest.Config, sinks: tuple[Sink, ...]) -> None:
         self.config, self.sinks = config, sinks
 
     def pytest_sessionstart(self, session: Any) -> None:

@@ -49,7 +49,7 @@ from pytest_dflash.measure.round_statistics import PairedResult, RoundTimer, pai
 from pytest_dflash.policy.thresholds import Policy
 
 
-class TimingInconclusive(pytest.skip.Exception):  # type: ignore[name-defined,misc]
+class TimingInconclusive(pytest.skip.Exception):  # type: ignore[name-defined]
     """A timing gate whose interval straddles the policy's margin at its cap.
 
     It claims neither a pass nor a regression: the test is reported ``inconclusive`` (a kind

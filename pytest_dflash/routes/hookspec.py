@@ -7,12 +7,15 @@ stack uses the very same hooks (``pytest_dflash/routes/shipped.py``, the referen
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+if TYPE_CHECKING:
+    from pytest_dflash.routes.registry import RouteRegistry
 
-def pytest_dflash_routes(registry: Any) -> None:
+
+def pytest_dflash_routes(registry: RouteRegistry) -> None:
     """Register routes (and declare families) into the session's ``RouteRegistry``.
 
     Called once per session, in every conftest and installed plugin, before collection; the

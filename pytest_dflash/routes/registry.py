@@ -20,8 +20,9 @@ class RegistryError(ValueError):
     """A route declaration that contradicts the registry (duplicate, dangling baseline, ...)."""
 
 
-def resolve(target: str | Callable[..., Any] | None) -> Any:
-    """Import ``"package.module:attr"`` lazily; callables and None pass through."""
+def resolve(target: object) -> Any:
+    """Import ``"package.module:attr"`` lazily; anything else (a callable, an implementation
+    object, None) passes through."""
     if target is None or not isinstance(target, str):
         return target
     module_name, sep, attr = target.partition(":")
@@ -63,7 +64,7 @@ class Route:
     baseline: str | None = None
     gates: tuple[str, ...] = ()
     default_enabled: bool = False
-    impl: str | Callable[..., Any] | None = None
+    impl: object = None  # "module:attribute", or the implementation object itself
     engine: Mapping[str, str] = field(default_factory=dict)
     probe: str | Callable[[], str | None] | None = None
     switch: str | None = None

@@ -550,8 +550,9 @@ def _probe_jail(notes: list[str]) -> _Launcher | None:
                       "processes: own pid namespace, killed with the sandbox", f"user: {user}"]
             return launcher
         failed.append(f"bubblewrap failed here ({reason})")
-    tools = [shutil.which(name, path=_TOOL_PATH) for name in ("unshare", "chroot", "mount")]
-    if as_root and all(tools):
+    found = [shutil.which(name, path=_TOOL_PATH) for name in ("unshare", "chroot", "mount")]
+    tools = [tool for tool in found if tool is not None]
+    if as_root and len(tools) == len(found):
         launcher = _Launcher(jail="chroot", prefix=(tools[0], tools[1], *_chroot_specs()),
                              drop=drop, uid=uid)
         reason = _try(launcher, jail=True, seccomp=False)

@@ -55,13 +55,17 @@ is the same as for the route itself. Only the planted defect differs between the
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_dflash.evidence.catch import COPY
 from pytest_dflash.routes.registry import Route
 from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS as TIMING_KINDS
+
+if TYPE_CHECKING:
+    from pytest_dflash.policy.thresholds import Policy
+    from pytest_dflash.routes.registry import RouteRegistry
 
 SEPARATOR = "~"
 PASS_THROUGH = "passthrough"  # the verify route behind the planted routes' wrapper, no defect
@@ -181,7 +185,7 @@ class Planted:
     serves: Route  # the route whose code serves the calls
     defect: Defect | None
     pass_through: bool = False
-    only: tuple[str, ...] = KINDS  # the copy's gate kinds (the calibration: timing only)
+    only: Collection[str] = KINDS  # the copy's gate kinds (the calibration: timing only)
 
     @property
     def key(self) -> str:
@@ -240,7 +244,7 @@ def original_of(name: str) -> str | None:
     return original if sep else None
 
 
-def plan(candidates: Iterable[Route], registry: Any, policy: Any, *,
+def plan(candidates: Iterable[Route], registry: RouteRegistry, policy: Policy, *,
          calibrate: bool = False) -> list[Planted]:
     """The copy and the applicable defects of every candidate that has a catalogued gate, then
     the pass-through of each verify route that a planted validation_cost gate compares with.
@@ -258,15 +262,20 @@ def plan(candidates: Iterable[Route], registry: Any, policy: Any, *,
         for defect in defects:
             if not defect.applies_to(route):
                 continue
-            serves = registry.get(route.baseline) if defect.serves == "baseline" else route
+            serves = route
+            if defect.serves == "baseline":
+                assert route.baseline is not None  # a candidate names its baseline
+                serves = registry.get(route.baseline)
             planted.append(Planted(planted_name(route.name, defect.key), route, serves, defect))
     for name in dict.fromkeys(filter(None, (pass_through_of(p, registry) for p in planted))):
-        verify = registry.get(original_of(name))
+        original = original_of(name)
+        assert original is not None  # a planted name, made by planted_name
+        verify = registry.get(original)
         planted.append(Planted(name, verify, verify, None, pass_through=True))
     return planted
 
 
-def pass_through_of(planted: Planted, registry: Any) -> str | None:
+def pass_through_of(planted: Planted, registry: RouteRegistry) -> str | None:
     """The name of the pass-through that ``planted``'s validation_cost gate compares it with,
     or None when it has no such gate (or its family declares no verify route). The unchanged
     copy has none: it runs the route's own code, so it is compared with the route's own verify

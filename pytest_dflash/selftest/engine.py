@@ -19,10 +19,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_dflash.selftest.catalogue import DEGENERATE_EVERY, Planted
 from pytest_dflash.selftest.slowdown import busy_wait, gpu_spin
+
+if TYPE_CHECKING:
+    import pytest
+
+    from pytest_dflash.engines import Engine
+    from pytest_dflash.measure.timing_child import WorkerContext
 
 DEGENERATE_KEEP = 16
 DEGENERATE_RUN = 200
@@ -110,7 +116,7 @@ class EngineSelftest:
     def route_hits(self) -> dict[str, int]:
         """The inner engine's hits with the served route's name replaced by the planted one."""
         served, name = self.planted.serves.name, self.planted.name
-        renamed = {}
+        renamed: dict[str, int] = {}
         for key, count in self.inner.route_hits().items():
             for sep in ("", ":", "/"):
                 if key == served + sep or (sep and key.startswith(served + sep)):
@@ -123,7 +129,8 @@ class EngineSelftest:
         return f"<self-test engine {self.planted.name} over {self.inner!r}>"
 
 
-def build(config: Any, selection: dict[str, str], profile: str, planted: dict[str, Planted],
+def build(config: pytest.Config | WorkerContext, selection: dict[str, str], profile: str,
+          planted: dict[str, Planted],
           policy: Any) -> Any:
     """The engine of ``selection`` if it names an engine-level planted route, else None (an
     op-level planted route is served by its wrapper inside an ordinary engine).
@@ -160,7 +167,7 @@ def wrap(selection: dict[str, str], planted: dict[str, Planted], policy: Any,
     return EngineSelftest(inner, mine[0], selection, policy)
 
 
-def unwrapped(engine: Any) -> Any:
+def unwrapped(engine: Engine) -> Engine:
     """The engine a planted route's engine runs on (``engine`` itself for any other): a timing
     worker that registers the planted routes rebuilds the planted engine when it can rebuild
     that one."""

@@ -10,13 +10,16 @@ prefill.geometry routes are wrapped here (``engine.build``). After the run the r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_dflash import settings
 from pytest_dflash.selftest import catalogue, engine, wrappers
 from pytest_dflash.selftest.timing_worker import worker_plugin
+
+if TYPE_CHECKING:
+    from pytest_dflash.routes.registry import Route, RouteRegistry
 
 
 class SelftestSession:
@@ -28,7 +31,8 @@ class SelftestSession:
         self.planted: dict[str, catalogue.Planted] = {}
         self.records: dict[str, dict[str, Any]] = {}  # the report's ``planted`` field per route
 
-    def install(self, registry: Any, candidates: list[Any], selected_routes: set[str],
+    def install(self, registry: RouteRegistry, candidates: list[Route],
+                selected_routes: set[str],
                 selected_gates: set[tuple[str, str]]) -> list[str]:
         """Register the planted routes of ``candidates`` and extend the selection to them.
 
@@ -53,7 +57,8 @@ class SelftestSession:
         caught defects show as xfailed and do not fail the run; any other exception (the
         planted route broke the test instead of being judged) stays a real error."""
         for item in items:
-            bound = next((value for key, value in item.user_properties if key == "dflash"), None)
+            bound: Any = next((value for key, value in item.user_properties
+                               if key == "dflash"), None)
             planted = self.planted.get(bound["route"]) if bound else None
             if planted is None or planted.defect is None:
                 continue

@@ -11,11 +11,16 @@ names the self-test: it only registers the plugins the session hands it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_dflash.selftest import catalogue, engine, wrappers
+
+if TYPE_CHECKING:
+    from pytest_dflash.engines import Engine
+    from pytest_dflash.measure.timing_child import WorkerContext
+    from pytest_dflash.routes.registry import RouteRegistry
 
 
 class WorkerPlanting:
@@ -29,7 +34,7 @@ class WorkerPlanting:
         self.planted: dict[str, catalogue.Planted] = {}
 
     @pytest.hookimpl(trylast=True)  # after every plugin registered the originals
-    def pytest_dflash_routes(self, registry: Any) -> None:
+    def pytest_dflash_routes(self, registry: RouteRegistry) -> None:
         """Register the planted routes of the session's selected candidates."""
         originals = [registry.get(name) for name in self.candidates]
         for planted in catalogue.plan(originals, registry, self.policy, calibrate=self.calibrate):
@@ -37,7 +42,8 @@ class WorkerPlanting:
             self.planted[planted.name] = planted
 
     @pytest.hookimpl(tryfirst=True)
-    def pytest_dflash_engine(self, config: Any, selection: dict[str, str], profile: str) -> Any:
+    def pytest_dflash_engine(self, config: WorkerContext, selection: dict[str, str],
+                             profile: str) -> Engine | None:
         """A planted prefill.geometry route's engine: the worker's served engine, wrapped."""
         return engine.build(config, selection, profile, self.planted, self.policy)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_dflash.native import hits
 from pytest_dflash.routes.registry import Route
@@ -32,12 +32,16 @@ from pytest_dflash.selftest.catalogue import (
 )
 from pytest_dflash.selftest.slowdown import Slowdown
 
+if TYPE_CHECKING:
+    from pytest_dflash.policy.thresholds import Policy
+    from pytest_dflash.routes.registry import RouteRegistry
+
 GROUP_K = 16  # NVFP4 block-scale group: the K granularity a kernel's K loop steps by
 MAX_VERIFY_M = 8
 
 
 class _Wrapper:
-    def __init__(self, planted: Planted, registry: Any) -> None:
+    def __init__(self, planted: Planted, registry: RouteRegistry) -> None:
         self.name = planted.name
         self.planted = planted
         self.defect = planted.defect.key if planted.defect else None
@@ -130,7 +134,9 @@ class GemmSelftest(_Wrapper):
 
     @property
     def other(self) -> Any:
-        return self._registry.get(self.planted.original.baseline).implementation()
+        baseline = self.planted.original.baseline
+        assert baseline is not None  # a candidate names its baseline
+        return self._registry.get(baseline).implementation()
 
     @property
     def prepare(self) -> Callable[[Any], Any]:
@@ -191,7 +197,7 @@ class GemmSelftest(_Wrapper):
         return y
 
 
-def implementation_for(planted: Planted, registry: Any, policy: Any) -> Any:
+def implementation_for(planted: Planted, registry: RouteRegistry, policy: Policy) -> Any:
     """The ``impl`` of a planted route's record.
 
     prefill.geometry routes act through the engine (``selftest.engine``), so their record keeps
@@ -208,7 +214,7 @@ def implementation_for(planted: Planted, registry: Any, policy: Any) -> Any:
     raise ValueError(f"the self-test has no catalogue for family {family!r}")
 
 
-def as_route(planted: Planted, registry: Any, policy: Any) -> Route:
+def as_route(planted: Planted, registry: RouteRegistry, policy: Policy) -> Route:
     """The ordinary route record of a planted route (implementation wrapped lazily)."""
     original = planted.original
     if planted.defect is None and not planted.pass_through:

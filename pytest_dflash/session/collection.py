@@ -66,7 +66,7 @@ def generate_tests(metafunc: pytest.Metafunc) -> None:
         routes = [state.registry.get(route_name)]
     else:
         # one family, or a tuple of them: a model-level gate serves every family an engine applies
-        families = (family,) if isinstance(family, str) else tuple(family)
+        families = (family,) if isinstance(family, str) else tuple(family or ())
         for name in families:
             if name not in state.registry.families():
                 raise UnknownNameError(f"unknown family {name!r}; known families: "
@@ -86,7 +86,8 @@ def generate_tests(metafunc: pytest.Metafunc) -> None:
 def modify_items(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Bind gate items to route and kind, add the kind as a marker, apply ``--dflash-gate``."""
     state = state_of(config)
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         callspec = getattr(item, "callspec", None)
         route = callspec.params.get("dflash_route") if callspec else None
