@@ -80,7 +80,9 @@ def test_ppl_and_quality_over_http_match_in_process(pytester: pytest.Pytester) -
     local, served = json.loads(local_path.read_text()), json.loads(served_path.read_text())
     for kind in ("ppl", "quality"):
         outcomes = [t["outcome"] for t in gate_tests(served, FP16, kind)]
-        assert outcomes and all(o in ("passed", "failed") for o in outcomes), (kind, outcomes)
+        # two tasks give the quality gate no power: inconclusive on both sides, never an error
+        decided = ("passed", "failed") if kind == "ppl" else ("inconclusive",)
+        assert outcomes and all(o in decided for o in outcomes), (kind, outcomes)
         assert served["routes"][FP16]["gates"][kind]["status"] == \
             local["routes"][FP16]["gates"][kind]["status"]
     assert served["routes"][FP16]["verdict"] == local["routes"][FP16]["verdict"]
