@@ -4,7 +4,9 @@ torch is imported here, once, before any pytester inline run: pytester restores 
 after each inline run, and a C extension such as torch cannot be imported a second time.
 httpx likewise: imported first inside an inline run and re-imported after it, its transport maps
 the *old* httpcore exception classes, so a refused connection escapes as a raw httpcore error
-and a server engine's health wait gives up at once instead of retrying.
+and a server engine's health wait gives up at once instead of retrying. `evaluate` likewise: its
+import registers torch's ``c10d_functional`` op library, which a second import refuses, so a
+second inline run that scores perplexity would end in a harness error.
 
 ``real_runs`` runs real gates once per session; the readers of a report (plot, JUnit, diff,
 summaries, merge) are tested on the files they wrote.
@@ -20,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import evaluate  # noqa: F401
 import pytest
 import torch  # noqa: F401
 
