@@ -8,6 +8,7 @@ import json
 import pytest
 
 from pytest_dflash.engines import Capabilities, missing
+from pytest_dflash.policy.thresholds import Policy
 
 # imported once here: pytester's in-process runs drop modules they import, and datasets
 # cannot be imported twice in one process (pyarrow extension types are registered globally)
@@ -83,7 +84,9 @@ def test_data_override_feeds_the_ppl_gate(pytester: pytest.Pytester) -> None:
     assert measured["data"] == str(data) and measured["segments"] == 2
     assert measured["worst_segment"] in {"mine/0", "mine/1"}
     assert measured["bytes"] == sum(len(r["text"]) for r in rows)
-    assert "per byte" in measured["figure"] and "tolerance 0.01" in measured["figure"]
+    # the predeclared relative tolerance, as the policy states it
+    assert "per byte" in measured["figure"]
+    assert f"tolerance {Policy().ppl_rel_tolerance:g}" in measured["figure"]
 
 
 def test_missing_capabilities_are_named_with_their_reason() -> None:
