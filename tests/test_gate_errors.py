@@ -59,7 +59,7 @@ RAISING_ENGINES = {"toy.add.engine_raises"}
 
 
 def pytest_dflash_routes(registry):
-    registry.declare(Family("toy.add", Adder, baseline="toy.add.base"))
+    registry.declare(Family("toy.add", Adder, baseline="toy.add.base", gates=("parity", "ppl")))
     registry.register(Route("toy.add.base", "toy.add", "baseline", impl="conftest:BASE"))
     for name, impl in (("good", "GOOD"), ("raises", "RAISES"), ("no_contract", "NONE"),
                        ("engine_raises", "GOOD")):
