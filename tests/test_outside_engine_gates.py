@@ -100,7 +100,8 @@ EXPECTED = {
     "gemm.nvfp4.mine": {"validation_cost": "passed", "ppl": "passed"},
     "gemm.nvfp4.offscale": {"parity": "failed", "ppl": "failed"},
     "gemm.nvfp4.large_verify": {"validation_cost": "failed"},
-    "prefill.geometry.mine": {"ppl": "passed", "quality": "passed"},
+    # two tasks give the quality gate no power: pending (inconclusive), never a pass
+    "prefill.geometry.mine": {"ppl": "passed", "quality": "pending"},
     "prefill.geometry.int8_state": {"ppl": "failed"},
     "prefill.geometry.bool_state": {"quality": "failed"},
 }
@@ -139,6 +140,7 @@ def test_outside_routes_face_every_gate_and_each_defect_is_caught(
             assert routes[name]["gates"][kind]["status"] == status, (
                 f"{name} {kind}: expected {status}, got "
                 f"{[(t['outcome'], t['message'][:200]) for t in tests]}")
-        expected_verdict = "accept" if all(s == "passed" for s in gates.values()) else "reject"
+        expected_verdict = ("accept" if all(s == "passed" for s in gates.values())
+                            else "pending" if "failed" not in gates.values() else "reject")
         assert routes[name]["verdict"] == expected_verdict, (name, routes[name]["reasons"])
     assert result.ret == pytest.ExitCode.TESTS_FAILED
