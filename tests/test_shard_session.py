@@ -9,8 +9,9 @@ import json
 import pytest
 
 TOY = """
-from pytest_dflash import Route
+from pytest_dflash import Family, Route
 def pytest_dflash_routes(registry):
+    registry.declare(Family("toy.mul", None, baseline="toy.mul.base", gates=("parity", "speed")))
     registry.register(Route("toy.mul.base", "toy.mul", "baseline"))
     for name in ("a", "b"):
         registry.register(Route(f"toy.mul.{name}", "toy.mul", "candidate",

@@ -265,7 +265,7 @@ def test_a_planted_engine_route_is_timed_in_the_workers_as_the_gate_built_it(tmp
                                                     calibrate=True)])
     pool = TimingPool(spec, size=2, timeout_s=300.0, log_dir=tmp_path)
     try:
-        planted = "prefill.geometry.fp16_q7920~slow_10pct"
+        planted = "prefill.geometry.fp16_q7920~prefill_slow_10pct"
         job = TimingJob("dflash_suites.support.engine:cold_prefill_pair",
                         {"route": planted, "baseline": "prefill.geometry.fp32_q3296",
                          "length": 256})
