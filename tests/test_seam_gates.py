@@ -211,4 +211,4 @@ def test_seam_defects_are_caught_and_a_correct_route_passes(pytester: pytest.Pyt
                 assert got == {outcome}, (name, seen)
     ppl = routes["prefill.geometry.fp32_q6592"]["gates"]["ppl"]["tests"]
     long = next(t for t in ppl if NODE["long_contexts"] in t["nodeid"])["measurements"]
-    assert "max band PPL delta" in long["figure"] and len(long["bands"]) == 1
+    assert "max band PPL change" in long["figure"] and len(long["bands"]) == 1

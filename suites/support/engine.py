@@ -34,6 +34,11 @@ class Served:
 
         self.engine, self.route = engine, route
         self.counted = capabilities_of(engine).route_hits
+        if self.counted and callable(getattr(engine, "reset_prefix_cache", None)):
+            # cold from here: an engine shared with an earlier gate (or the self-test's copy
+            # of a route) would answer those prompts from cached prefixes, and the candidate
+            # would not serve their prefills
+            engine.reset_prefix_cache()
         self.before = self._count()
 
     def _count(self) -> int:
