@@ -98,7 +98,7 @@ def summarize(report: Mapping[str, Any]) -> dict[str, Any]:
                                    "status": gate_status(gate["tests"]) if gate else PENDING}
                 continue
             if not (gate or {}).get("tests") and not own.get(kind, {}).get("tests"):
-                continue  # the kind was not selected (``-m``, ``--dflash-gate``): nothing planted ran
+                continue  # kind not selected (``-m``, ``--dflash-gate``): nothing planted ran
             status = _defect_status(gate)
             record: dict[str, Any] = {"key": key, "route": name, "status": status,
                                       "what": planted.get("what", ""),
