@@ -2,7 +2,7 @@
 to ``benchmarks/results/llamacpp_gates.json`` (docs/engines.md, "llama.cpp").
 
     python benchmarks/llamacpp_gates.py --gguf MODEL.gguf [--model HF_DIR] [--profile ci] \
-        [--compile-seconds S] [--out benchmarks/results/llamacpp_gates.json]
+        [--out benchmarks/results/llamacpp_gates.json]
 
 Runs the shipped suites' ppl, quality and prefill speed gates for every route of
 ``pytest_dflash.engines.llamacpp`` through ``--dflash-serve`` (one llama_cpp.server per
@@ -16,13 +16,16 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from pytest_dflash.engines import llamacpp as lc
+from pytest_dflash.evidence.verdict import gate_outcome
 
+# the figures kept per test, by the test's function name (the rest stay in the report)
 PPL_KEYS = (
     "ppl_baseline",
     "ppl_candidate",
@@ -37,6 +40,14 @@ PPL_KEYS = (
     "bytes",
     "worst_segment",
 )
+LONG_PPL_KEYS = (
+    "max_band_ppl_rel_delta",
+    "ppl_band_rel_tolerance",
+    "worst_context",
+    "worst_band",
+    "context_tokens",
+    "band_tokens",
+)
 QUALITY_KEYS = (
     "tasks",
     "pass_at_1_baseline",
@@ -49,30 +60,44 @@ QUALITY_KEYS = (
     "natural_stop_rate_baseline",
     "natural_stop_rate_candidate",
 )
+KEYS = {"ppl": PPL_KEYS + LONG_PPL_KEYS, "quality": QUALITY_KEYS}
+
+
+def short_name(nodeid: str) -> str:
+    """The test function of a node id: ``test_ppl.py::test_ppl_long_contexts[r]`` ->
+    ``test_ppl_long_contexts``."""
+    return nodeid.split("::")[-1].split("[")[0]
 
 
 def figures(report: dict, route: str) -> dict:
+    """The verdict, its reasons and, per gate and test, the outcome and the figures that decided
+    it (an error keeps the exception and where it was raised)."""
     entry = report["routes"][route]
     out: dict = {
         "verdict": entry["verdict"],
         "baseline": lc.LLAMACPP_ROUTES[[r.name for r in lc.LLAMACPP_ROUTES].index(route)].baseline,
         "gates": {},
     }
+    if entry["verdict"] != "accept":
+        out["reasons"] = [reason[:600] for reason in entry.get("reasons", [])]
     for kind, gate in entry["gates"].items():
-        tests = gate["tests"]
-        item: dict = {"status": gate["status"], "outcomes": [t["outcome"] for t in tests]}
-        if tests:
-            m = tests[0].get("measurements") or {}
-            keys = PPL_KEYS if kind == "ppl" else QUALITY_KEYS if kind == "quality" else ()
-            item.update({k: m[k] for k in keys if k in m})
-            item["figures"] = [t.get("measurements", {}).get("figure", "") for t in tests]
-            if tests[0]["outcome"] != "passed":
-                item["message"] = tests[0].get("message", "")[:600]
-            switches = {tuple(s["enabled_routes"]): s["switches"] for s in m.get("servers", [])}
-            if switches:
-                item["server_switches"] = {
-                    "+".join(k) or "baseline": v for k, v in switches.items()
-                }
+        item: dict = {"status": gate_outcome(gate), "tests": {}}
+        switches: dict = {}
+        for test in gate["tests"]:
+            m = test.get("measurements") or {}
+            row: dict = {"outcome": test["outcome"]}
+            row.update({k: m[k] for k in KEYS.get(kind, ()) if k in m})
+            if m.get("figure"):
+                row["figure"] = m["figure"]
+            if test["outcome"] != "passed":
+                row["message"] = test.get("message", "")[:600]
+            if test.get("raised"):
+                row["raised"] = test["raised"]
+            item["tests"][short_name(test["nodeid"])] = row
+            switches.update({tuple(s["enabled_routes"]): s["switches"]
+                             for s in m.get("servers", [])})
+        if switches:
+            item["server_switches"] = {"+".join(k) or "baseline": v for k, v in switches.items()}
         out["gates"][kind] = item
     return out
 
@@ -95,13 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, required=True)
     parser.add_argument("--profile", default="ci")
-    parser.add_argument(
-        "--compile-seconds",
-        type=float,
-        default=None,
-        help="measured wall time of pip install 'llama-cpp-python[server]'",
-    )
-    parser.add_argument("--compile-note", default="")
     parser.add_argument(
         "--model",
         type=Path,
@@ -135,9 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         "--dflash-report",
         str(report),
     ]
-    start = time.perf_counter()
+    start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     run = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # user+sys of the job and every process it waited for (the servers it started): on an idle
+    # machine of n cores the job takes at least this / n, whatever else shares this one
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if run.returncode > 1:
         sys.stderr.write(run.stdout[-4000:] + run.stderr[-4000:])
         return run.returncode
@@ -154,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         "title": "llama.cpp settings gated as routes on llama_cpp.server",
         "about": "ppl, quality and speed gates of the llama.cpp routes, served by "
                  "llama_cpp.server with the tiny Llama-architecture model converted to GGUF; "
-                 "the compile time of llama-cpp-python from source is in compile.seconds",
+                 "gate_job_cpu_seconds is the user+sys time of the job and the servers it "
+                 "started (the compile of llama-cpp-python is in llamacpp-compile.json)",
         "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, "
                    f"llama-cpp-python {llama_cpp.__version__}",
         "python": platform.python_version(),
@@ -170,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             "profile": args.profile,
             "exit_status": run.returncode,
             "gate_job_seconds": round(seconds, 1),
-            "compile": {"seconds": args.compile_seconds, "note": args.compile_note},
+            "gate_job_cpu_seconds": round(cpu, 1),
             "routes": {name: figures(data, name) for name in routes},
         },
     }
