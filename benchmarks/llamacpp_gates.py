@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "--pyargs",
         "dflash_suites",
         "-m",
-        "ppl or quality or speed",
+        "ppl or quality or prefill",
         "--dflash-profile",
         args.profile,
         "-p",
