@@ -174,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         "kind": "measured",
         "topic": "llama.cpp engine",
         "title": "llama.cpp settings gated as routes on llama_cpp.server",
-        "about": "ppl, quality and speed gates of the llama.cpp routes, served by "
-                 "llama_cpp.server with the tiny Llama-architecture model converted to GGUF; "
+        "about": "ppl (held-out segments and long contexts), quality and prefill gates of the "
+                 "llama.cpp routes, served by llama_cpp.server with the tiny "
+                 "Llama-architecture model converted to GGUF; "
                  "gate_job_cpu_seconds is the user+sys time of the job and the servers it "
                  "started (the compile of llama-cpp-python is in llamacpp-compile.json)",
         "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, "
@@ -185,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "cuda": None,
         "commit": commit,
         "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(command[1:]).replace(sys.executable, "python")
-                   .replace(str(args.gguf.parent), "$DFLASH_CACHE_DIR/gguf"),
+        "command": " ".join(command[1:]).replace(sys.executable, "python"),
         "values": {
             "gguf": {"name": args.gguf.name, "bytes": args.gguf.stat().st_size,
                      "converted_from": model_info(args.model)},
@@ -198,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    # the GGUF's folder of this machine (in the command and the servers' reasons) as the cache
+    text = json.dumps(result, indent=1).replace(str(args.gguf.parent), "$DFLASH_CACHE_DIR/gguf")
+    args.out.write_text(text + "\n")
     report.unlink()
     print(json.dumps({n: r["verdict"] for n, r in result["values"]["routes"].items()}, indent=1))
     return 0

@@ -276,12 +276,16 @@ def test_llama_cpp_routes_are_gated_through_dflash_serve(pytester, gguf_path):
     prefill speed gate stays pending with the server's reasons, each selection's server ran
     with the route's llama.cpp settings, and none outlives the session."""
     pytest.importorskip("datasets")
-    from pytest_dflash.engines.data import PPL_FILE, TASKS_FILE, data_dir
+    from pytest_dflash.engines.data import LONG_FILE, PPL_FILE, TASKS_FILE, data_dir
+    from pytest_dflash.policy.profiles import sizes
 
     data = pytester.mkdir("data")
-    for name in (PPL_FILE, TASKS_FILE):
+    for name in (PPL_FILE, TASKS_FILE, LONG_FILE):  # every file the selected gates read
         lines = (data_dir() / name).read_text().splitlines()[:2]
         (data / name).write_text("\n".join(lines) + "\n")
+    # the long-context ppl test scores a context of ppl_long_tokens; the server's context holds
+    # it and the token its scoring completion generates
+    n_ctx = sizes("quick").ppl_long_tokens + 16
     pytester.makepyprojecttoml("[tool.pytest-dflash]\nquality_max_new_tokens = 32\n")
     report = pytester.path / "llamacpp.json"
     pytester.runpytest(
@@ -300,14 +304,14 @@ def test_llama_cpp_routes_are_gated_through_dflash_serve(pytester, gguf_path):
         "--dflash-route",
         lc.UBATCH,
         "--dflash-serve",
-        lc.serve_command(gguf_path, n_ctx=1024),
+        lc.serve_command(gguf_path, n_ctx=n_ctx),
         "--dflash-serve-timeout",
         "120",
         "--dflash-report",
         str(report),
     )
-    data = json.loads(report.read_text())
-    entry = data["routes"][lc.UBATCH]
+    written = json.loads(report.read_text())
+    entry = written["routes"][lc.UBATCH]
     ppl_outcomes = [t["outcome"] for t in entry["gates"]["ppl"]["tests"]]
     # held-out segments and long contexts, each decided by its figures (never an error)
     assert len(ppl_outcomes) == 2 and set(ppl_outcomes) <= {"passed", "failed"}, ppl_outcomes
@@ -333,7 +337,7 @@ def test_llama_cpp_routes_are_gated_through_dflash_serve(pytester, gguf_path):
     assert ppl["ppl_baseline"] > 1 and ppl["tokens"] > 0
     # benchmarks/llamacpp_gates.py reads this report: both ppl tests keep their outcome and
     # deciding figures, and the pending route its reasons
-    out = gates_script().figures(data, lc.UBATCH)
+    out = gates_script().figures(written, lc.UBATCH)
     tests = out["gates"]["ppl"]["tests"]
     held, long = tests["test_ppl_heldout_segments"], tests["test_ppl_long_contexts"]
     assert held["max_ppl_rel_delta"] >= 0 and held["ppl_rel_tolerance"] > 0
