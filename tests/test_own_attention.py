@@ -27,36 +27,59 @@ def documented_example() -> str:
 
 DEFECTS = '''
 
-def _attend(query, key, value, mask, scaling, groups, dtype=None):
+def _scores(query, key, mask, scaling, groups):
     import torch
-    work = dtype or torch.float32
-    k = key.to(work).repeat_interleave(groups, dim=1)
-    v = value.to(work).repeat_interleave(groups, dim=1)
-    scores = query.to(work) @ k.transpose(-1, -2) * scaling
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.float().softmax(-1).to(work) @ v).to(query.dtype).transpose(1, 2).contiguous()
+    k = key.float().repeat_interleave(groups, dim=1)
+    scores = query.float() @ k.transpose(-1, -2) * scaling
+    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+
+
+def _out(weighted, query):
+    return weighted.to(query.dtype).transpose(1, 2).contiguous()
 
 
 def top_left_causal(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Ignores the mask it is given: assumes as many keys as queries (top-left causal)."""
+    """Ignores the mask it is given and builds its own for as many keys as queries (top-left
+    causal): a chunk over a cached prefix sees only the prefix's first keys."""
     import torch
     sq, skv = query.shape[2], key.shape[2]
     own = None
     if attention_mask is not None:
         own = torch.ones(sq, skv, dtype=torch.bool, device=query.device).tril()[None, None]
-    return _attend(query, key, value, own, scaling, module.num_key_value_groups), None
+    groups = module.num_key_value_groups
+    probs = _scores(query, key, own, scaling, groups).softmax(-1)
+    return _out(probs @ value.float().repeat_interleave(groups, dim=1), query), None
 
 
 def fp16_accumulation(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Keeps its running sums in fp16 registers: the softmax row sum one key at a time, the
+    weighted values 16 keys at a time (an MMA step with an fp16 accumulator). The products
+    themselves are exact: only the accumulation is fp16."""
     import torch
-    return _attend(query, key, value, attention_mask, scaling, module.num_key_value_groups,
-                   torch.float16), None
+    groups, half = module.num_key_value_groups, torch.float16
+    scores = _scores(query, key, attention_mask, scaling, groups)
+    probs = (scores - scores.amax(-1, keepdim=True)).exp().to(half)
+    v = value.to(half).repeat_interleave(groups, dim=1)
+    acc = torch.zeros(*probs.shape[:3], v.shape[-1], dtype=half, device=query.device)
+    row_sum = torch.zeros(*probs.shape[:3], 1, dtype=half, device=query.device)
+    for t in range(0, v.shape[2], 16):
+        acc = (acc.float() + probs[..., t:t + 16].float() @ v[..., t:t + 16, :].float()).to(half)
+    for t in range(v.shape[2]):
+        row_sum = row_sum + probs[..., t:t + 1]
+    return _out(acc.float() / row_sum.float(), query), None
 
 
 def drift_past_1k(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    out = _attend(query, key, value, attention_mask, scaling, module.num_key_value_groups)
-    return (out * 1.001 if key.shape[2] > 1024 else out), None
+    """Scales a query's scores by log(n) / log(1024) once it sees n > 1024 keys (long-context
+    "logn" scaling, switched on for a model never trained with it): exact up to 1K keys."""
+    import math
+    import torch
+    sq, skv = query.shape[2], key.shape[2]
+    seen = torch.arange(skv - sq + 1, skv + 1, dtype=torch.float32, device=query.device)
+    factor = (seen.log() / math.log(1024)).clamp(min=1.0)[:, None]
+    groups = module.num_key_value_groups
+    probs = (_scores(query, key, attention_mask, scaling, groups) * factor).softmax(-1)
+    return _out(probs @ value.float().repeat_interleave(groups, dim=1), query), None
 
 
 def _register_defects(registry):
@@ -94,6 +117,62 @@ def test_documented_example_accepted_and_planted_defects_rejected(
     for defect in ("top_left_causal", "fp16_accumulation", "drift_past_1k"):
         gate = routes[f"attn.d256.{defect}"]["gates"]["parity"]
         assert gate["status"] == "failed", (defect, gate)
+
+
+# The model-level gates that must reject each planted defect inside the transformers engine's
+# model at the quick profile (prefill prompts of 256 and 512 tokens, one long context of 2048
+# tokens scored in chunks of 206): a drift that starts past 1K keys is out of the prompts' reach,
+# so only the long context's bands can see it.
+MODEL_LEVEL = ("ppl", "prefill")
+REJECTED_BY = {"top_left_causal": ("ppl", "prefill"), "fp16_accumulation": ("ppl", "prefill"),
+               "drift_past_1k": ("ppl",)}
+# what each gate's failure says (suites/test_ppl.py, suites/test_speed_prefill.py)
+FAILURE_WORDS = {"ppl": "perplexity", "prefill": "after the same cold prefill"}
+
+
+def agreements(entry: dict) -> list[dict]:
+    """The cross-route agreement records of a route's prefill tests, one per prompt length."""
+    return [test["measurements"]["agreement"] for test in entry["gates"]["prefill"]["tests"]]
+
+
+def test_planted_defects_rejected_by_model_level_gates(pytester: pytest.Pytester) -> None:
+    """Inside the Qwen3.5 hybrid of ``--dflash-engine hf``, the ppl gate and the prefill gate's
+    agreement check (the candidate's next-token distributions after the same cold prefill as
+    the baseline's) reject each planted defect, and the route's reasons name the gate; the
+    documented function passes both. Not only op-level parity: these are the model's own
+    predictions."""
+    from pytest_dflash.evidence.report import judged, load
+
+    pytester.makeconftest(documented_example() + DEFECTS)
+    report = pytester.path / "r.json"
+    gates = [f"--dflash-gate=attn.d256.{name}:{kind}"
+             for name in ("mine", *REJECTED_BY) for kind in MODEL_LEVEL]
+    result = pytester.runpytest_subprocess(
+        "--pyargs", "dflash_suites.test_ppl", "dflash_suites.test_speed_prefill",
+        "--dflash-engine", "hf", "--dflash-profile", "quick", *gates,
+        "--dflash-report", str(report), "-p", "no:cacheprovider", timeout=900)
+    assert report.is_file(), result.stdout.str()[-3000:]
+    routes = judged(load(report)["routes"])
+
+    mine = routes["attn.d256.mine"]
+    assert mine["gates"]["ppl"]["status"] == "passed", mine["gates"]["ppl"]
+    assert len(agreements(mine)) == 2, mine["gates"]["prefill"]  # 256 and 512 tokens
+    for agreement in agreements(mine):
+        assert agreement["greedy_next_token_candidate"] == agreement[
+            "greedy_next_token_baseline"], agreement
+        assert agreement["max_kl"] <= agreement["kl_bound"], agreement
+    assert not any(FAILURE_WORDS["prefill"] in reason for reason in mine["reasons"]), mine[
+        "reasons"]
+
+    for defect, kinds in REJECTED_BY.items():
+        entry = routes[f"attn.d256.{defect}"]
+        assert entry["verdict"] == "reject", (defect, entry["reasons"])
+        for kind in kinds:
+            named = [r for r in entry["reasons"] if r.startswith(f"{kind} failed: ")]
+            assert named and FAILURE_WORDS[kind] in named[0], (defect, kind, entry["reasons"])
+    # the drift is exact below 1K keys: the prefill prompts (at most 512 + 8 tokens) agree
+    for agreement in agreements(routes["attn.d256.drift_past_1k"]):
+        assert agreement["max_kl"] <= agreement["kl_bound"], agreement
 
 
 @pytest.mark.parametrize("body, words", [
