@@ -122,31 +122,34 @@ def test_documented_example_accepted_and_planted_defects_rejected(
 # The model-level gates that must reject each planted defect inside the transformers engine's
 # model at the quick profile (prefill prompts of 256 and 512 tokens, one long context of 2048
 # tokens scored in chunks of 206): a drift that starts past 1K keys is out of the prompts' reach,
-# so only the long context's bands can see it.
-MODEL_LEVEL = ("ppl", "prefill")
+# so only the long context's bands can see it. The prefill gate runs only where its agreement
+# check must reject (before any timing): timing a route whose speed is the baseline's runs to
+# the cap of worker processes, which this test does not need.
 REJECTED_BY = {"top_left_causal": ("ppl", "prefill"), "fp16_accumulation": ("ppl", "prefill"),
                "drift_past_1k": ("ppl",)}
 # what each gate's failure says (suites/test_ppl.py, suites/test_speed_prefill.py)
 FAILURE_WORDS = {"ppl": "perplexity", "prefill": "after the same cold prefill"}
 
 
-def agreements(entry: dict) -> list[dict]:
-    """The cross-route agreement records of a route's prefill tests, one per prompt length."""
-    return [test["measurements"]["agreement"] for test in entry["gates"]["prefill"]["tests"]]
+def segment_perplexities(entry: dict) -> list[float]:
+    """The per-segment perplexities the ppl gate's short-segment test recorded for a route."""
+    (test,) = [t for t in entry["gates"]["ppl"]["tests"] if "heldout_segments" in t["nodeid"]]
+    return test["measurements"]["per_segment_candidate"]
 
 
 def test_planted_defects_rejected_by_model_level_gates(pytester: pytest.Pytester) -> None:
     """Inside the Qwen3.5 hybrid of ``--dflash-engine hf``, the ppl gate and the prefill gate's
     agreement check (the candidate's next-token distributions after the same cold prefill as
     the baseline's) reject each planted defect, and the route's reasons name the gate; the
-    documented function passes both. Not only op-level parity: these are the model's own
+    documented function passes ppl. Not only op-level parity: these are the model's own
     predictions."""
     from pytest_dflash.evidence.report import judged, load
 
     pytester.makeconftest(documented_example() + DEFECTS)
     report = pytester.path / "r.json"
-    gates = [f"--dflash-gate=attn.d256.{name}:{kind}"
-             for name in ("mine", *REJECTED_BY) for kind in MODEL_LEVEL]
+    gates = ["--dflash-gate=attn.d256.mine:ppl"] + [
+        f"--dflash-gate=attn.d256.{name}:{kind}"
+        for name, kinds in REJECTED_BY.items() for kind in kinds]
     result = pytester.runpytest_subprocess(
         "--pyargs", "dflash_suites.test_ppl", "dflash_suites.test_speed_prefill",
         "--dflash-engine", "hf", "--dflash-profile", "quick", *gates,
@@ -156,23 +159,15 @@ def test_planted_defects_rejected_by_model_level_gates(pytester: pytest.Pytester
 
     mine = routes["attn.d256.mine"]
     assert mine["gates"]["ppl"]["status"] == "passed", mine["gates"]["ppl"]
-    assert len(agreements(mine)) == 2, mine["gates"]["prefill"]  # 256 and 512 tokens
-    for agreement in agreements(mine):
-        assert agreement["greedy_next_token_candidate"] == agreement[
-            "greedy_next_token_baseline"], agreement
-        assert agreement["max_kl"] <= agreement["kl_bound"], agreement
-    assert not any(FAILURE_WORDS["prefill"] in reason for reason in mine["reasons"]), mine[
-        "reasons"]
-
     for defect, kinds in REJECTED_BY.items():
         entry = routes[f"attn.d256.{defect}"]
         assert entry["verdict"] == "reject", (defect, entry["reasons"])
         for kind in kinds:
             named = [r for r in entry["reasons"] if r.startswith(f"{kind} failed: ")]
             assert named and FAILURE_WORDS[kind] in named[0], (defect, kind, entry["reasons"])
-    # the drift is exact below 1K keys: the prefill prompts (at most 512 + 8 tokens) agree
-    for agreement in agreements(routes["attn.d256.drift_past_1k"]):
-        assert agreement["max_kl"] <= agreement["kl_bound"], agreement
+    # the drift is exact below 1K keys: on the short segments it scores what the example does
+    drift = routes["attn.d256.drift_past_1k"]
+    assert segment_perplexities(drift) == segment_perplexities(mine)
 
 
 @pytest.mark.parametrize("body, words", [
