@@ -28,12 +28,12 @@ def script(name: str) -> ModuleType:
 
 
 def gate_job(pytester: pytest.Pytester, name: str, *engine: str) -> tuple[Path, dict]:
-    """The ppl gate of ROUTE at the quick profile, as a job of its own: its report and its
-    row of the job times (wall seconds, pytest's last line)."""
+    """The ppl gate of ROUTE at the quick profile (its short segments), as a job of its own:
+    its report and its row of the job times (wall seconds, pytest's last line)."""
     report = pytester.path / f"{name}.json"
     start = time.perf_counter()
     result = pytester.runpytest_subprocess(
-        "--pyargs", "dflash_suites.test_ppl", "--dflash-profile", "quick",
+        "--pyargs", "dflash_suites.test_ppl", "-k", "heldout_segments", "--dflash-profile", "quick",
         f"--dflash-gate={ROUTE}:ppl", *engine, "--dflash-report", str(report),
         "-p", "no:cacheprovider", timeout=600)
     wall = time.perf_counter() - start
