@@ -12,9 +12,9 @@ one machine. Verdicts, gate outcomes and deciding figures are read through the p
 report reader (``pytest_dflash.evidence``: validated, verdicts recomputed from the recorded
 tests), never decided here. ``TIMES.json`` is a list of ``{"name", "wall_s", "summary", ...}``
 rows, one per job, with the job names below; it gives the cost of the ci transformers job
-against the main job (limit: 1.5 times) and of ``.ci/run``'s quick transformers job (limit:
-120 s of tests, pytest's own session time); that job's report, where given, says which of its
-tests took longest.
+against the main job (limit: 1.5 times) and of the quick-profile transformers job of the six
+candidates (limit for ``.ci/run``'s job: 120 s of tests, pytest's own session time); that job's
+report, where given, says which of its tests took longest.
 """
 
 from __future__ import annotations
@@ -52,7 +52,10 @@ COMMANDS = {  # the jobs as run for the committed file (--durations: where the t
     "reference": "pytest -m sm70 -p no:cacheprovider --durations=40 --dflash-report ref-ci.json",
     "transformers": "pytest --pyargs dflash_suites -m sm70 --dflash-engine hf --dflash-profile ci "
     "-p no:cacheprovider --durations=40 --dflash-report hf-ci.json",
-    "quick": ".ci/run's transformers job with --durations=40 --dflash-report hf-quick.json",
+    "quick": "pytest --pyargs dflash_suites.test_ppl dflash_suites.test_quality "
+    "dflash_suites.test_speed_prefill dflash_suites.test_validation_cost_engine -m sm70 "
+    "--dflash-engine hf --dflash-profile quick (the six candidates' --dflash-route) "
+    "--durations=40 --dflash-report hf-quick.json",
 }
 
 
@@ -192,7 +195,7 @@ def cost_rows(jobs: dict[str, dict[str, Any]], reference: dict[str, Any],
          f"{seconds['reference']:.0f} s", f"{seconds['transformers']:.0f} s"],
         ["ci job (-m sm70, ci profile)", "tests of routes only this engine has", "-",
          f"{seconds['transformers_only']:.0f} s ({', '.join(only_hf) or 'none'})"],
-        [".ci/run transformers job (quick profile)", "wall time", "-",
+        ["quick transformers job (the six candidates)", "wall time", "-",
          f"{quick['wall_s']:.0f} s; tests {quick_tests:.0f} s (limit {QUICK_TEST_LIMIT_S:.0f} s)"
          if quick_tests is not None else f"{quick['wall_s']:.0f} s"],
     ]
@@ -232,7 +235,7 @@ def build(reference_path: Path, transformers_path: Path, times_path: Path, profi
         except ReportError as exc:
             raise SideBySideError(str(exc)) from None
         cost_figures["hf_quick_job_slowest_tests"] = slowest(quick)
-        costs.append([".ci/run transformers job (quick profile)", "longest tests", "-",
+        costs.append(["quick transformers job (the six candidates)", "longest tests", "-",
                       cost_figures["hf_quick_job_slowest_tests"]])
     fingerprint = transformers["fingerprint"]
     return {
@@ -245,7 +248,7 @@ def build(reference_path: Path, transformers_path: Path, times_path: Path, profi
                  "suites' report on the transformers engine (the tiny Qwen3.5 hybrid), ci "
                  "profile, one run each on one machine; op-level gates run the same code in "
                  "both jobs. Then the wall time of the ci transformers job against the main "
-                 "job, and of .ci/run's quick transformers job.",
+                 "job, and of the quick transformers job of the six candidates.",
         "machine": machine(transformers, jobs),
         "python": fingerprint.get("python") or platform.python_version(),
         "torch": fingerprint.get("torch") or "unknown",
@@ -273,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "engines-side-by-side.json")
     parser.add_argument("--quick-report", type=Path, default=None,
-                        help=".ci/run's quick transformers job's report (its longest tests)")
+                        help="the quick transformers job's report (its longest tests)")
     parser.add_argument("--profile", default="ci", help="the profile both reports ran")
     parser.add_argument("--route", action="append", default=[], metavar="NAME",
                         help="compare only this candidate (repeatable; default: the six "
