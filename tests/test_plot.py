@@ -3,6 +3,7 @@ from the report of real gates (``real_runs``: a speed gate timed in worker proce
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -139,3 +140,19 @@ def test_missing_matplotlib_is_a_clear_error(tmp_path: Path) -> None:
                            str(tmp_path / "p")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "pip install 'pytest-dflash[plot]'" in done.stderr
+
+
+def test_a_model_level_prefill_gate_is_plotted_like_any_timing_gate(
+        real_runs, tmp_path: Path) -> None:
+    """The prefill kind (whole-model cold prefills) is timed by the same worker protocol as
+    speed: its tests get timing pictures too (they were skipped when the kinds were listed by
+    hand). The real speed gate's records are filed under ``prefill`` here."""
+    report = json.loads(Path(real_runs.merged).read_text())
+    gates = report["routes"]["attn.d256.fa2"]["gates"]
+    gates["prefill"] = gates.pop("speed")
+    path = tmp_path / "prefill-report.json"
+    path.write_text(json.dumps(report))
+    done = _plot(path, tmp_path / "plots")
+    assert done.returncode == 0, done.stderr
+    names = {p.name for p in (tmp_path / "plots").iterdir()}
+    assert SPEED.replace("__speed__", "__prefill__") + ".png" in names, sorted(names)

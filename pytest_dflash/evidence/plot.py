@@ -7,12 +7,12 @@ its bound; a quality verdict, which tasks flipped between baseline and candidate
 
 One PNG and one SVG per picture:
 
-* speed and validation_cost: for each test, one panel per timed comparison (a validation_cost
-  test has one per verify width): the interval band, the ratio and the threshold. Timed in
-  worker processes (the usual case), each process's ratio (its statistic, the unit the interval
-  is computed across) is a diamond and its rounds a strip beside it, with a line after each
-  look, so a process that stood apart shows at once; timed in the test's own process, each
-  round's ratio in order;
+* speed, prefill and validation_cost: for each test, one panel per timed comparison (a
+  validation_cost test has one per verify width): the interval band, the ratio and the
+  threshold. Timed in worker processes (the usual case), each process's ratio (its statistic,
+  the unit the interval is computed across) is a diamond and its rounds a strip beside it,
+  with a line after each look, so a process that stood apart shows at once; timed in the
+  test's own process, each round's ratio in order;
 * parity: for each route, every case of every parity test as error / bound (max abs error
   against the bound, relative L2 against its limit), 1 being the bound;
 * quality: for each test, the per-task outcome grid, baseline row over candidate row.
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_dflash.evidence import timings
+from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS as TIMING_KINDS
 
 PASS_COLOR, FAIL_COLOR, NEUTRAL_COLOR = "#2e7d32", "#c62828", "#616161"
 # a process's ratio (or a round's, timed in the test's process) and the rounds of a process
@@ -324,7 +325,7 @@ def plot_report(report: dict[str, Any], out: Path) -> list[Path]:
     for route, entry in sorted(report["routes"].items()):
         for kind, gate in entry["gates"].items():
             tests = gate.get("tests", [])
-            if kind in ("speed", "validation_cost"):
+            if kind in TIMING_KINDS:  # speed, prefill, validation_cost
                 for test in tests:
                     written += plot_timing(route, kind, test, out)
             elif kind == "parity":

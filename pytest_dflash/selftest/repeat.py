@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_dflash.evidence.catch import COPY
+from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS as TIMING_KINDS
 
 OUTCOMES = ("pass", "inconclusive", "fail", "error", "pending")
 
@@ -52,7 +53,7 @@ def tally(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             planted = entry.get("planted")
             original = planted["from"] if planted else name
             key = planted["defect"] if planted else "route"
-            for kind in ("speed", "validation_cost"):
+            for kind in TIMING_KINDS:
                 gate = entry.get("gates", {}).get(kind)
                 if kind not in entry.get("required", []) or not (gate or {}).get("tests"):
                     continue
