@@ -119,6 +119,31 @@ def test_a_mask_the_family_cannot_serve_is_an_error(base: hf.TransformersEngine)
         base.model(input_ids=ids, attention_mask=mask)
 
 
+def test_a_static_cache_is_served_over_the_keys_written(model_dir: Path,
+                                                      base: hf.TransformersEngine) -> None:
+    """A StaticCache hands the attention function every slot it reserved, the ones not yet
+    written masked: the route attends the written keys only, so the chunked prefill over a
+    static cache equals one forward, through the same dense and paged ops."""
+    static = engine_of(model_dir, **{"prefill.geometry": hf.STATIC_CACHE.name})
+    ids = ids_of(static)
+    positions = list(range(len(ids)))
+    chunked = static.prefill_logits(ids, positions)
+    assert (chunked - one_forward(base, ids)).abs().max() < 1e-4
+    hits = static.route_hits()
+    assert hits[f"{hf.STATIC_CACHE.name}:cache:StaticCache"] > 0
+    chunks = -(-len(ids) // CHUNK)
+    assert hits["attn.d256.sdpa:layer3:cached"] == chunks - 1
+
+
+def test_a_quantized_cache_cannot_be_applied_in_a_hybrid(model_dir: Path) -> None:
+    """transformers' QuantizedCache holds full-attention layers only: the route is
+    unsupported on this model (pending, with the reason), not a candidate that raised."""
+    from pytest_dflash.engines import EngineUnsupported
+
+    with pytest.raises(EngineUnsupported, match="linear_attention layers"):
+        engine_of(model_dir, **{"prefill.geometry": hf.KV_QUANTO_INT4.name})
+
+
 def test_mlps_run_the_gemm_route_on_nvfp4_codes(model_dir: Path,
                                                base: hf.TransformersEngine) -> None:
 

@@ -384,6 +384,14 @@ class TransformersEngine:
                 f"route {self.route} stores recurrent states in {self.settings.state}; "
                 f"{self.path.name} has no recurrent (SSM) state, so the route cannot be "
                 "applied: gate it on a hybrid model (the default --dflash-engine hf model)")
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        if self.settings.cache == "quantized" and layer_types - {"full_attention"}:
+            raise EngineUnsupported(
+                f"route {self.route} cannot be applied in {self.path.name}: transformers' "
+                f"QuantizedCache holds full-attention layers only, and this model also has "
+                f"{', '.join(sorted(layer_types - {'full_attention'}))} layers; gate it on a "
+                "model with only full-attention layers (e.g. --dflash-engine hf:PATH of a "
+                "Llama-style model)")
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads)
         baseline = registry.role(ATTN, "baseline").name
@@ -673,3 +681,22 @@ def build(
 ) -> TransformersEngine:
     """The transformers engine of ``model_path`` for a family -> route selection."""
     return TransformersEngine(model_path, selection, profile, device, registry)
+
+
+def preload(model_path: str | Path) -> None:
+    """Import transformers and the modelling code of ``model_path``'s architecture, and read
+    its tokenizer once, without building a model.
+
+    Why: a timing worker's first engine otherwise pays these imports (seconds) inside a gate,
+    while the other workers wait, one after another; the pool starts its workers together, so
+    paid at start they overlap (``timing_pool.TimingPool``). Nothing here touches a route."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    if missing_library():
+        return  # the engine's own build says why, naming the fix
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = check_model_dir(model_path)
+    config = AutoConfig.from_pretrained(path)
+    AutoModelForCausalLM._model_mapping[type(config)]  # noqa: B018 - imports the modelling module
+    AutoTokenizer.from_pretrained(path)

@@ -18,7 +18,8 @@ attention itself is the route's, called in the family contract
 - the mask function is transformers' ``sdpa_mask``. Registering it matters: without one,
   transformers hands the function ``attention_mask=None`` even where keys outnumber queries.
   The mask it builds (or ``None`` where it proves the plain causal mask suffices) must be the
-  causal mask of one unpadded sequence, the only mask the family contract serves; any other
+  causal mask of one unpadded sequence, the only mask the family contract serves, over the
+  first keys (a ``StaticCache``'s slots not yet written are masked, and left out); any other
   mask (padding) is an :class:`~pytest_dflash.engines.EngineError`, never a silent drop;
 - the result goes back as ``[B, Sq, Hq, D]``, as transformers expects;
 - every call is counted on the calling layer itself (:func:`count_call`: ``"layer{i}:fresh"``
@@ -52,8 +53,11 @@ def function_name(route_name: str, impl: Any) -> str:
     return f"gated_route_{len(_REGISTERED)}"
 
 
-def _check_mask(mask: Any, sq: int, skv: int, route_name: str) -> None:
-    """``mask`` must be the bottom-right causal mask of one unpadded sequence."""
+def _attended_keys(mask: Any, sq: int, skv: int, route_name: str) -> int:
+    """How many keys the queries attend: ``mask`` must be the bottom-right causal mask of one
+    unpadded sequence over its first ``n`` keys, every later key masked for every query. A
+    ``StaticCache`` hands over all the slots it reserved (``skv``), of which only the first
+    ``n`` are written yet; the route then gets those ``n`` keys, which is what the mask says."""
     import torch
 
     if mask.dtype != torch.bool:
@@ -61,13 +65,15 @@ def _check_mask(mask: Any, sq: int, skv: int, route_name: str) -> None:
             f"{route_name}: transformers passed a {mask.dtype} attention mask; the attn.d256 "
             "mask function is sdpa_mask (boolean): register the route with register()"
         )
-    causal = torch.ones(sq, skv, dtype=torch.bool, device=mask.device).tril(skv - sq)
-    if not bool((mask == causal).all()):
+    n = int(mask[-1].sum())
+    causal = torch.ones(sq, n, dtype=torch.bool, device=mask.device).tril(n - sq)
+    if n < sq or not bool((mask[:, :n] == causal).all()) or bool(mask[:, n:].any()):
         raise EngineError(
             f"{route_name}: transformers asked for a mask other than the causal mask of one "
             "unpadded sequence (padding, a sliding window); an attn.d256 route serves causal "
             "attention only: run the engine on unpadded single sequences"
         )
+    return n
 
 
 def count_call(module: Any, route_name: str, op: str, n: int = 1) -> None:
@@ -134,22 +140,21 @@ def attention_function(route_name: str, impl: Any) -> Callable[..., tuple[Any, N
         if dropout:
             raise EngineError(f"{route_name}: attention dropout {dropout}; the engine runs "
                               "the model in eval mode")
-        if attention_mask is not None:
-            for b in range(batch):
-                _check_mask(attention_mask[b, 0], sq, skv, route_name)
+        keys = ([skv] * batch if attention_mask is None else
+                [_attended_keys(attention_mask[b, 0], sq, skv, route_name)
+                 for b in range(batch)])
         scale = float(scaling) if scaling is not None else dim ** -0.5
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         out = torch.empty(batch, sq, hq, dim, dtype=query.dtype, device=query.device)
-        for b in range(batch):
-            if skv == sq:
-                impl.dense(q[b].contiguous(), k[b].contiguous(), v[b].contiguous(), out[b],
-                           scale, True)
+        for b, n in enumerate(keys):
+            if n == sq:
+                impl.dense(q[b].contiguous(), k[b, :n].contiguous(), v[b, :n].contiguous(),
+                           out[b], scale, True)
             else:
-                k_cache, v_cache, table = paged_copy(k[b], v[b])
-                impl.paged(q[b].contiguous(), k_cache, v_cache, table, skv, out[b], scale, True)
-        layer = getattr(module, "layer_idx", "?")
-        count_call(module, route_name, f"layer{layer}:{'fresh' if skv == sq else 'cached'}",
-                   batch)
+                k_cache, v_cache, table = paged_copy(k[b, :n], v[b, :n])
+                impl.paged(q[b].contiguous(), k_cache, v_cache, table, n, out[b], scale, True)
+            layer = getattr(module, "layer_idx", "?")
+            count_call(module, route_name, f"layer{layer}:{'fresh' if n == sq else 'cached'}")
         return out, None
 
     attend.__qualname__ = attend.__name__ = f"attend_{route_name.replace('.', '_')}"

@@ -63,6 +63,10 @@ class WorkerContext:
         # it builds in the gate's process (``EngineFactory.rebuildable``)
         self.hook = SimpleNamespace(pytest_dflash_engine=manager.subset_hook_caller(
             "pytest_dflash_engine", remove_plugins=route_plugins))
+        if self.hf_model:  # the engine's imports, paid while the pool's workers start together
+            from pytest_dflash.engines.transformers import preload
+
+            preload(self.hf_model)
 
     def engine(self, *route_names: str) -> Any:
         """The session's in-process engine (reference, or the transformers engine of the same
