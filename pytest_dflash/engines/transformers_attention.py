@@ -15,9 +15,9 @@ attention itself is the route's, called in the family contract
   over a cached prefix to its ``paged`` op, over a paged copy of the keys and values
   transformers concatenated (blocks of :data:`BLOCK_SIZE`, logical block i in physical block
   i ^ 1, so a route that ignores the block table is wrong), as the reference engine does;
-- the mask function is transformers' ``sdpa_mask``. Registering it matters: without one,
-  transformers hands the function ``attention_mask=None`` even where keys outnumber queries.
-  The mask it builds (or ``None`` where it proves the plain causal mask suffices) must be the
+- the mask function is transformers' ``sdpa_mask``, never skipped (:func:`route_mask`).
+  Registering it matters: without one, transformers hands the function
+  ``attention_mask=None`` even where keys outnumber queries. The mask it builds must be the
   causal mask of one unpadded sequence, the only mask the family contract serves, over the
   first keys (a ``StaticCache``'s slots not yet written are masked, and left out); any other
   mask (padding) is an :class:`~pytest_dflash.engines.EngineError`, never a silent drop;
@@ -161,16 +161,28 @@ def attention_function(route_name: str, impl: Any) -> Callable[..., tuple[Any, N
     return attend
 
 
+def route_mask(*args: Any, **kwargs: Any) -> Any:
+    """transformers' ``sdpa_mask``, always built. sdpa_mask returns ``None`` where torch's
+    top-left ``is_causal`` suffices, which includes a first chunk over a ``StaticCache``'s
+    reserved slots (more keys than queries, the unwritten ones past the queries); the route
+    aligns the causal mask bottom-right, as a chunk over a cached prefix needs, so ``None``
+    would make it attend those slots. With the mask, every call says which keys exist."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
 def register(route_name: str, impl: Any) -> str:
     """Register the route as a transformers attention function with its mask function;
     returns the ``attn_implementation`` name that selects it."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     name = function_name(route_name, impl)
     if name not in _REGISTERED:
         AttentionInterface.register(name, attention_function(route_name, impl))
-        AttentionMaskInterface.register(name, sdpa_mask)
+        AttentionMaskInterface.register(name, route_mask)
         _REGISTERED[name] = (route_name, impl)
     return name
 
