@@ -181,3 +181,35 @@ def test_sidecar_option_reaches_the_loader_and_the_fingerprint(project: pytest.P
     result.assert_outcomes(passed=1)
     fingerprint = json.loads((project.path / "dflash-report.json").read_text())["fingerprint"]
     assert fingerprint["sidecar_sha256"] == hashlib.sha256(library.read_bytes()).hexdigest()
+
+
+def test_a_gate_test_with_no_selected_route_binds_to_none(project: pytest.Pytester) -> None:
+    """A gate test whose family has no selected candidate gets pytest's empty parameter set
+    (one skipped item, its route parameter NOTSET); it is no route's outcome: no verdict row,
+    no report entry under a made-up name."""
+    project.makeconftest(TOY + """
+    registry.declare(Family("toy.add", None, baseline="toy.add.base", gates=("parity",)))
+    registry.register(Route("toy.add.base", "toy.add", "baseline"))
+    registry.register(Route("toy.add.fast", "toy.add", "candidate", baseline="toy.add.base",
+                            gates=("parity",)))
+""")
+    project.makepyfile(test_gates="""
+        import pytest
+
+        @pytest.mark.gate("parity", family="toy.mul")
+        def test_mul(dflash_route):
+            assert dflash_route.family == "toy.mul"
+
+        @pytest.mark.gate("parity", family="toy.add")
+        def test_add(dflash_route):
+            assert dflash_route.family == "toy.add"
+    """)
+    report = project.path / "r.json"
+    result = project.runpytest("test_gates.py", "--dflash-route", "toy.add.fast",
+                               "--dflash-report", str(report))
+    result.assert_outcomes(passed=1, skipped=1)
+    import json
+
+    routes = json.loads(report.read_text())["routes"]
+    assert set(routes) == {"toy.add.fast"}
+    assert "token" not in result.stdout.str()

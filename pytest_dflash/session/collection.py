@@ -17,6 +17,7 @@ import pytest
 
 from pytest_dflash import settings
 from pytest_dflash.policy.profiles import per_size_values
+from pytest_dflash.routes.registry import Route
 from pytest_dflash.routes.vocabulary import (
     EXCLUSIVE_KINDS,
     GATE_KINDS,
@@ -91,6 +92,8 @@ def modify_items(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         callspec = getattr(item, "callspec", None)
         route = callspec.params.get("dflash_route") if callspec else None
+        if not isinstance(route, Route):  # pytest's empty parameter set (NOTSET): no route
+            route = None
         marker = item.get_closest_marker("gate")
         if route is None or marker is None:
             (drop if state.selected_gates else keep).append(item)
