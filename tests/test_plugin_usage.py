@@ -204,12 +204,13 @@ def test_a_gate_test_with_no_selected_route_binds_to_none(project: pytest.Pytest
         def test_add(dflash_route):
             assert dflash_route.family == "toy.add"
     """)
-    report = project.path / "r.json"
-    result = project.runpytest("test_gates.py", "--dflash-route", "toy.add.fast",
-                               "--dflash-report", str(report))
+    report, junit = project.path / "r.json", project.path / "j.xml"
+    result = project.runpytest("test_gates.py", "--dflash-route", "toy.add.fast", "-rs",
+                               "--dflash-report", str(report), "--junitxml", str(junit))
     result.assert_outcomes(passed=1, skipped=1)
     import json
 
     routes = json.loads(report.read_text())["routes"]
     assert set(routes) == {"toy.add.fast"}
     assert "token" not in result.stdout.str()
+    assert "token" not in junit.read_text()
