@@ -11,12 +11,25 @@ large to decide (docs/gates.md, "Timing protocol").
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 QUICK = ("--pyargs", "dflash_suites", "--dflash-profile", "quick", "--dflash-selftest",
          "-p", "no:cacheprovider")
+
+
+def _script(name: str) -> ModuleType:
+    """A script of benchmarks/, imported from its file."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"dflash_{name}", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict]:
@@ -71,6 +84,15 @@ def test_op_level_defects_are_caught_and_copies_accepted(pytester: pytest.Pytest
 
     path = pytester.path / "selftest-report.json"
     assert main(["selftest", str(path)]) == 0
+    # and the result-file script (docs/selftest.md's catch table) writes it from the same report
+    catch = _script("selftest_catch")
+    result_file = pytester.path / "catch.json"
+    assert catch.main([str(path), "--out", str(result_file)]) == 0
+    table = json.loads(result_file.read_text())["values"]
+    assert table["columns"][:4] == ["route", "gate", "copy", "caught"]
+    assert ["attn.d256.fa2", "speed", "passed", "3/3"] in [row[:4] for row in table["rows"]]
+    assert ["gemm.nvfp4.qpn2", "parity", "passed", "3/3", "-", "-"] in table["rows"]
+    assert not any(row[1] == "prefill" for row in table["rows"])  # nothing planted there
     # the stored catch table is derived data: an edited one makes the report corrupt
     report["selftest"]["routes"]["gemm.nvfp4.qpn2"]["parity"]["caught"] = 0
     path.write_text(json.dumps(report))
