@@ -18,6 +18,7 @@ import tokenize
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -129,12 +130,7 @@ def test_readme_outside_plugin_is_gated_by_the_shipped_parity_suite(
 
 
 def _render_module():
-    spec = importlib.util.spec_from_file_location(
-        "dflash_render", ROOT / "benchmarks" / "render.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script("render")
 
 
 def test_benchmarks_page_is_rendered_from_the_result_files() -> None:

@@ -4,27 +4,16 @@ so, the job times give the cost ratio, and a report of the wrong engine is refus
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from benchmark_scripts import script
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
 ROUTE = "prefill.geometry.fp32_q6592"
-
-
-def script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"dflash_{name}",
-                                                  ROOT / "benchmarks" / f"{name}.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def gate_job(pytester: pytest.Pytester, name: str, *engine: str) -> tuple[Path, dict]:

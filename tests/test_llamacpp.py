@@ -10,14 +10,13 @@ and transformers; without them the module is skipped with the reason.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import os
 import re
-from pathlib import Path
 
 import pytest
+from benchmark_scripts import script
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -349,10 +348,5 @@ def test_llama_cpp_routes_are_gated_through_dflash_serve(pytester, gguf_path):
 
 
 def gates_script():
-    """``benchmarks/llamacpp_gates.py`` as a module (benchmarks/ is no package)."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "llamacpp_gates.py"
-    spec = importlib.util.spec_from_file_location("llamacpp_gates", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``benchmarks/llamacpp_gates.py`` as a module."""
+    return script("llamacpp_gates")

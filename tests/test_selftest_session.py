@@ -11,25 +11,13 @@ large to decide (docs/gates.md, "Timing protocol").
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-from types import ModuleType
 
 import pytest
+from benchmark_scripts import script
 
 QUICK = ("--pyargs", "dflash_suites", "--dflash-profile", "quick", "--dflash-selftest",
          "-p", "no:cacheprovider")
-
-
-def _script(name: str) -> ModuleType:
-    """A script of benchmarks/, imported from its file."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"dflash_{name}", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict]:
@@ -85,7 +73,7 @@ def test_op_level_defects_are_caught_and_copies_accepted(pytester: pytest.Pytest
     path = pytester.path / "selftest-report.json"
     assert main(["selftest", str(path)]) == 0
     # and the result-file script (docs/selftest.md's catch table) writes it from the same report
-    catch = _script("selftest_catch")
+    catch = script("selftest_catch")
     result_file = pytester.path / "catch.json"
     assert catch.main([str(path), "--out", str(result_file)]) == 0
     table = json.loads(result_file.read_text())["values"]
