@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pytest_dflash.evidence.catch import CAUGHT, TIMING_KINDS
+from pytest_dflash.evidence.catch import CAUGHT, resolution_text
 from pytest_dflash.evidence.report import ReportError, load
 
 COLUMNS = ["route", "gate", "copy", "caught", "resolution", "not caught"]
@@ -35,16 +35,10 @@ def rows(report: dict[str, Any]) -> list[list[str]]:
             if not gate["planted"]:
                 continue  # a kind that was not selected: nothing planted ran
             copy = gate["copy"]["status"] if gate["copy"] else "-"
-            resolution = "-"
-            if kind in TIMING_KINDS:
-                res, size = gate.get("resolution"), gate.get("policy_size")
-                resolution = f"{res:.0%}" if res is not None else "none resolved"
-                if size is not None and not gate.get("resolves_policy"):
-                    resolution += f" (not the policy's {size:.0%})"
             missed = "; ".join(f"{d['key']} {d['status']}" for d in gate["defects"]
                                if d["status"] != CAUGHT)
-            out.append([route, kind, copy, f"{gate['caught']}/{gate['planted']}", resolution,
-                        missed or "-"])
+            out.append([route, kind, copy, f"{gate['caught']}/{gate['planted']}",
+                        resolution_text(kind, gate), missed or "-"])
     return out
 
 

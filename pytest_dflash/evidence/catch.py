@@ -153,6 +153,17 @@ def marks(section: Mapping[str, Any]) -> dict[tuple[str, str], str]:
     return found
 
 
+def resolution_text(kind: str, gate: Mapping[str, Any]) -> str:
+    """A timing gate's resolution as the catch table prints it ("-" for other kinds)."""
+    if kind not in TIMING_KINDS:
+        return "-"
+    res, size = gate.get("resolution"), gate.get("policy_size")
+    text = f"{res:.0%}" if res is not None else "none resolved"
+    if size is not None and not gate.get("resolves_policy"):
+        text += f" (cannot resolve the policy's {size:.0%} here)"
+    return text
+
+
 def render(section: Mapping[str, Any]) -> list[str]:
     """The catch table: one row per route and gate, then what was missed and the resolution."""
     routes = section.get("routes", {})
@@ -168,15 +179,8 @@ def render(section: Mapping[str, Any]) -> list[str]:
         copy = gate["copy"]["status"] if gate["copy"] else "-"
         copy = {"passed": "pass", "failed": "FAIL"}.get(copy, copy)
         caught = f"{gate['caught']}/{gate['planted']}"
-        resolution = "-"
-        if kind in TIMING_KINDS:
-            res = gate.get("resolution")
-            size = gate.get("policy_size")
-            resolution = f"{res:.0%}" if res is not None else "none resolved"
-            if size is not None and not gate.get("resolves_policy"):
-                resolution += f" (cannot resolve the policy's {size:.0%} here)"
         lines.append(f"{route.ljust(name_w)}  {kind.ljust(15)}  {copy.ljust(7)}  "
-                     f"{caught.ljust(7)}  {resolution}")
+                     f"{caught.ljust(7)}  {resolution_text(kind, gate)}")
         for defect in gate["defects"]:
             if defect["status"] != CAUGHT:
                 lines.append(f"    {defect['status'].upper()}: {defect['key']} "
