@@ -694,9 +694,11 @@ def preload(model_path: str | Path) -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     if missing_library():
         return  # the engine's own build says why, naming the fix
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     path = check_model_dir(model_path)
     config = AutoConfig.from_pretrained(path)
-    AutoModelForCausalLM._model_mapping[type(config)]  # noqa: B018 - imports the modelling module
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:  # else the engine's build names the problem
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # noqa: B018 - imports the modelling module
     AutoTokenizer.from_pretrained(path)
