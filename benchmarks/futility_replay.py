@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pytest_dflash.evidence import compact
 from pytest_dflash.measure.decision import threshold_for
 from pytest_dflash.measure.process_statistics import ProcessSample, process_compare
 from pytest_dflash.policy.thresholds import Policy
@@ -44,10 +45,9 @@ def replay(item: dict[str, Any], policy: Policy) -> tuple[int, float] | None:
     The gate's own sequential decision (``process_compare``) runs again, with the policy's
     futility stop, on the recorded processes in the order the looks took them."""
     recorded = [
-        ProcessSample(worker=p["worker"], pid=p["pid"], candidate_s=p["samples"]["candidate"],
-                      baseline_s=p["samples"]["baseline"], orders=p["orders"],
-                      setup_s=p["setup_s"])
-        for p in item["processes"]
+        ProcessSample(worker=p["worker"], pid=p["pid"], candidate_s=cand, baseline_s=base,
+                      orders=orders, setup_s=p["setup_s"])
+        for p in item["processes"] for cand, base, orders in [compact.every_round(p)]
     ]
     taken = [0]
 

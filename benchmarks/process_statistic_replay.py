@@ -28,6 +28,7 @@ from futility_replay import (  # this directory, as a script's, is on sys.path
     write_replay,
 )
 
+from pytest_dflash.evidence import compact
 from pytest_dflash.measure.process_statistics import process_statistic
 
 MIN_ROUNDS = 40  # below it the first part of a process's rounds is too few to compare
@@ -36,8 +37,8 @@ FRACTIONS = (0.6, 0.5)
 
 def spreads(item: dict[str, Any]) -> dict[str, float]:
     """sd across processes of each statistic, keyed ``"median@1.0"``, ``"iqm@0.6"`` ..."""
-    logs = [np.log(np.asarray(p["samples"]["candidate"]) / np.asarray(p["samples"]["baseline"]))
-            for p in item["processes"]]
+    logs = [np.log(np.asarray(cand) / np.asarray(base))
+            for cand, base, _ in map(compact.every_round, item["processes"])]
     out: dict[str, float] = {}
     for fraction in (1.0, *FRACTIONS):
         parts = [x[: max(4, int(fraction * x.size))] for x in logs]
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(path.read_text(encoding="utf-8"))
         fingerprint = fingerprint or report["fingerprint"]  # the first report's environment
         for route, what, item in timing_results(report):
-            rounds = [len(p["samples"]["candidate"]) for p in item["processes"]]
+            rounds = [len(compact.every_round(p)[0]) for p in item["processes"]]
             if min(rounds) < MIN_ROUNDS or len(rounds) < 3:
                 continue
             sd = spreads(item)

@@ -31,6 +31,7 @@ from futility_replay import (  # this directory, as a script's, is on sys.path
     write_replay,
 )
 
+from pytest_dflash.evidence import compact
 from pytest_dflash.measure.decision import INTERIM_SHARE
 from pytest_dflash.measure.process_statistics import ProcessSample, process_compare
 from pytest_dflash.policy.thresholds import Policy
@@ -76,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             for process in item["processes"]:
                 entry["stats"].append(process["statistic"])
                 # what the process cost the gate: building and warming the pair, and its rounds
-                entry["seconds"].append(process["setup_s"] + sum(process["samples"]["candidate"])
-                                        + sum(process["samples"]["baseline"]))
+                entry["seconds"].append(process["setup_s"] + compact.timed_seconds(process))
                 entry["rounds"].add(process["rounds"])
     rows, totals, passes = [], [0.0] * len(DESIGNS), [0] * len(DESIGNS)
     seconds_total = 0.0

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from pytest_dflash.evidence import compact
 from pytest_dflash.native.loader import SIDECAR_ENV
 from pytest_dflash.routes.vocabulary import PROFILES
 from pytest_dflash.sandbox.executor import ALLOW_UNJAILED_ENV
@@ -37,6 +38,8 @@ class Settings:
     gates: tuple[str, ...] = ()
     sidecar: Path | None = None
     report: Path = Path(DEFAULT_REPORT)
+    # rounds of each timing process kept in the report (evidence.compact); None keeps all
+    report_rounds: int | None = compact.DEFAULT_KEEP
     progress_log: str | None = None  # as given: relative to the rootdir
     merge: bool = False
     shard: str | None = None  # "K/N" as given (checked by session.state.start)
@@ -78,6 +81,10 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption("--dflash-report", default=None, metavar="PATH",
                     help="JSON evidence report (default: ini dflash_report, else "
                          f"{DEFAULT_REPORT})")
+    group.addoption("--dflash-report-rounds", default=None, metavar="N|all",
+                    help="rounds of each timing process kept in the report, evenly spaced, "
+                         "beside every process's summary of all its rounds (default: ini "
+                         "dflash_report_rounds, else 32; 'all' keeps every round)")
     group.addoption("--dflash-progress-log", default=None, metavar="DIR",
                     help="also append the progress of long timing gates to DIR/<process>.log "
                          "(main, or the xdist worker id such as gw0), under -q and in workers "
@@ -130,6 +137,7 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("dflash_device", "default for --dflash-device", default="auto")
     parser.addini("dflash_profile", "default for --dflash-profile", default="")
     parser.addini("dflash_report", "default for --dflash-report", default=DEFAULT_REPORT)
+    parser.addini("dflash_report_rounds", "default for --dflash-report-rounds", default="")
     parser.addini("dflash_strict", "default for --dflash-strict", type="bool", default=False)
     parser.addini("dflash_merge", "default for --dflash-merge", type="bool", default=False)
     parser.addini("dflash_selftest", "default for --dflash-selftest", type="bool", default=False)
@@ -207,12 +215,17 @@ def resolve(config: pytest.Config) -> Settings:
         raise pytest.UsageError(f"dflash_profile = {profile!r}; use {', '.join(PROFILES)}")
     sidecar = _sidecar(config.getoption("dflash_sidecar", None))
     shard = config.getoption("dflash_shard", None)  # its form is checked at session start
+    try:
+        report_rounds = compact.parse_keep(pick("report_rounds"))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
     return Settings(
         device=device, profile=profile,
         routes=tuple(config.getoption("dflash_route", None) or ()),
         gates=tuple(config.getoption("dflash_gate", None) or ()),
         sidecar=sidecar,
         report=_under(config.rootpath, pick("report") or DEFAULT_REPORT),
+        report_rounds=report_rounds,
         progress_log=config.getoption("dflash_progress_log", None) or None,
         merge=bool(pick("merge")),
         shard=shard, shard_costs=config.getoption("dflash_shard_costs", None) or None,

@@ -73,7 +73,9 @@ def real_runs(tmp_path_factory: pytest.TempPathFactory) -> RealRuns:
     for k in (1, 2, 3):
         here = folder / f"host{k}"
         report, xml = here / f"s{k}.json", here / f"s{k}.xml"
+        # 2 rounds a process in the report (evidence.compact): every reader meets a sample
         done = _pytest_in(here, *REAL_SELECTION, f"--dflash-shard={k}/3",
+                          "--dflash-report-rounds=2",
                           f"--dflash-report={report}", f"--junitxml={xml}")
         assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
         shards.append(report)

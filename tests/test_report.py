@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,22 @@ def test_failed_write_leaves_the_previous_report_and_no_temporary_file(
     reports.write_atomic(_evidence(), path)
     before = path.read_text()
 
-    def explode(*args, **kwargs):
-        raise OSError("disk full")
+    opened = os.fdopen
 
-    monkeypatch.setattr(json, "dump", explode)
+    class FullDisk:  # the temporary file exists; writing into it fails
+        def __init__(self, handle: int, *args, **kwargs) -> None:
+            self.file = opened(handle, *args, **kwargs)
+
+        def __enter__(self) -> FullDisk:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.file.close()
+
+        def write(self, data: bytes) -> int:
+            raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fdopen", FullDisk)
     with pytest.raises(OSError, match="disk full"):
         reports.write_atomic(_evidence(), path)
     assert path.read_text() == before

@@ -83,9 +83,12 @@ def add_test(report: dict[str, Any], route: str, kind: str, test: dict[str, Any]
 
 
 def write_atomic(report: dict[str, Any], path: Path) -> None:
-    """Write to a temporary file in the same folder, then rename: never a half-written report."""
+    """Write to a temporary file in the same folder, then rename: never a half-written report.
+
+    Compact JSON (no indentation: a report is read by the CLI, not by eye); gzip-compressed
+    when the path ends in ``.json.gz``."""
     recompute(report["routes"])
-    files.write_json(report, path)
+    files.write_json(report, path, indent=None)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -96,10 +99,10 @@ def load(path: Path) -> dict[str, Any]:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = files.read_text(path)
     except FileNotFoundError:
         raise ReportError(f"{path}: no such report; run `pytest -m sm70` to create one") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ReportError(f"{path}: cannot read report ({exc})") from None
     try:
         data = json.loads(text)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from pytest_dflash import settings
+from pytest_dflash.evidence import compact
 from pytest_dflash.measure import progress
 from pytest_dflash.measure.gate import GateContext
 from pytest_dflash.measure.timing_pool import TimingSetup
@@ -74,14 +75,19 @@ def dflash_record(request: pytest.FixtureRequest) -> Callable[..., None]:
 
     ``figure`` is the one-line figure shown in the verdict table; ``samples`` holds raw timing
     samples. Values must be JSON-serialisable (they travel through xdist and into the report).
+    Timing comparisons are kept in the report's compact form (``evidence.compact``): each
+    process's summary of all its rounds and a bounded sample of them.
     """
     bound = binding(request.node)
+    keep = settings.of(request.config).report_rounds
 
     def record(**measurements: Any) -> None:
         if bound is None:
             raise RuntimeError(f"{request.node.nodeid} is not a gate test; mark it "
                                "@pytest.mark.gate(kind, family=...) to record measurements")
-        bound["measurements"].update(measurements)
+        merged = compact.measurements({**bound["measurements"], **measurements}, keep)
+        bound["measurements"].clear()
+        bound["measurements"].update(merged)
 
     return record
 
