@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import reportmaker
+from benchmark_scripts import script
 
 from pytest_dflash.evidence import compact, timings
 from pytest_dflash.evidence import report as reports
@@ -197,3 +198,20 @@ def test_replays_read_every_round_or_name_the_option_that_keeps_them() -> None:
     # the seconds a process timed come from the summary of every round, not the sample
     assert compact.timed_seconds(kept) == pytest.approx(sum(cand) + sum(base))
     assert compact.timed_seconds(full) == pytest.approx(sum(cand) + sum(base))
+
+
+def test_the_size_script_reads_real_reports(real_runs, tmp_path: Path) -> None:
+    """benchmarks/report_size.py on reports a real run wrote: every timing process is counted,
+    and the compacted form of evidence that is compact already is no bigger than the file."""
+    size = script("report_size")
+    out = tmp_path / "sizes.json"
+    assert size.main([str(real_runs.merged), "--label", "merged", "--out", str(out),
+                      "--machine", "m", "--commit", "c", "--command", "x", "--about", "a"]) == 0
+    (row,) = json.loads(out.read_text())["values"]["rows"]
+    written, compacted, zipped, procs, timed, kept = row[3:]
+    assert written == real_runs.merged.stat().st_size
+    assert zipped < compacted <= written + 16
+    report = reports.load(real_runs.merged)
+    series = [s for t in _timing_tests(report) for _, s in timings.comparisons(t["measurements"])]
+    assert procs == sum(len(s["processes"]) for s in series) > 0
+    assert timed == sum(p["rounds"] for s in series for p in s["processes"]) and kept == 2 * procs
