@@ -1,8 +1,10 @@
 """How big reports are, and what the compact form (``pytest_dflash.evidence.compact``) keeps.
 
-For each report given, the file's size as written, and the same evidence compacted as a run
-writes it now (each timing process's summary and at most 32 rounds, compact JSON), plain and
-gzip-compressed; with the rounds the report's timing processes timed and kept. Writes a
+For each report given, the file's size as written, and the same evidence in the form reports had
+before compaction (indented, every round: only for a report written with
+``--dflash-report-rounds all``, which keeps them) and compacted as a run writes it by default
+(each timing process's summary and at most 32 rounds, compact JSON), plain and gzip-compressed;
+with the rounds the report's timing processes timed and kept. Writes a
 ``pytest-dflash/benchmark/1`` file for ``benchmarks/render.py``:
 
     python benchmarks/report_size.py before.json after.json --label "main job, before" \\
@@ -38,15 +40,18 @@ def rounds(report: dict[str, Any]) -> tuple[int, int, int]:
     return procs, timed, kept
 
 
-def forms(report: dict[str, Any]) -> dict[str, int]:
-    """Bytes of ``report`` compacted, as compact JSON, plain and gzip-compressed."""
+def forms(report: dict[str, Any]) -> dict[str, int | None]:
+    """Bytes of ``report`` indented with every round (None when it holds a sample only), and
+    compacted as compact JSON, plain and gzip-compressed."""
+    _, timed, kept = rounds(report)
+    whole = len(json.dumps(report, indent=2, default=str).encode()) if timed == kept else None
     routes = {name: {**entry, "gates": {kind: {**gate, "tests": [
         {**test, "measurements": compact.measurements(test.get("measurements", {}))}
         for test in gate.get("tests", [])]} for kind, gate in entry["gates"].items()}}
         for name, entry in report.get("routes", {}).items()}
     small = json.dumps({**report, "routes": routes}, separators=(",", ":"),
                        default=str).encode()
-    return {"compact": len(small),
+    return {"whole": whole, "compact": len(small),
             "gzip": len(gzip.compress(small, mtime=0))}
 
 
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         procs, timed, kept = rounds(report)
         size = forms(report)
         rows.append([label, report.get("profile"), report["device"].get("name"),
-                     path.stat().st_size, size["compact"], size["gzip"],
+                     path.stat().st_size, size["whole"], size["compact"], size["gzip"],
                      procs, timed, kept])
     result = {
         "schema": "pytest-dflash/benchmark/1", "kind": "measured", "topic": "reports",
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch_version, "cuda": cuda, "commit": args.commit,
         "date": datetime.date.today().isoformat(), "command": args.command,
         "values": {"columns": ["report", "profile", "device", "bytes as written",
-                               "compacted", "compacted, gzip",
+                               "indented, every round", "compacted", "compacted, gzip",
                                "timing processes", "rounds timed", "rounds kept"],
                    "rows": rows},
     }

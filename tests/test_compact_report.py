@@ -208,10 +208,25 @@ def test_the_size_script_reads_real_reports(real_runs, tmp_path: Path) -> None:
     assert size.main([str(real_runs.merged), "--label", "merged", "--out", str(out),
                       "--machine", "m", "--commit", "c", "--command", "x", "--about", "a"]) == 0
     (row,) = json.loads(out.read_text())["values"]["rows"]
-    written, compacted, zipped, procs, timed, kept = row[3:]
+    written, whole, compacted, zipped, procs, timed, kept = row[3:]
     assert written == real_runs.merged.stat().st_size
+    assert whole is None  # the shards kept a sample: the form with every round cannot be had
     assert zipped < compacted <= written + 16
     report = reports.load(real_runs.merged)
     series = [s for t in _timing_tests(report) for _, s in timings.comparisons(t["measurements"])]
     assert procs == sum(len(s["processes"]) for s in series) > 0
     assert timed == sum(p["rounds"] for s in series for p in s["processes"]) and kept == 2 * procs
+
+
+def test_the_size_script_compares_every_round_with_the_compact_form(tmp_path: Path) -> None:
+    """A report that kept every round (``--dflash-report-rounds all``) gets the old form's size
+    beside the compacted one; the compacted one keeps 32 rounds a process."""
+    path = reportmaker.make(tmp_path / "all.json", speed_measurements=_comparison(1000, 6))
+    out = tmp_path / "sizes.json"
+    assert script("report_size").main([str(path), "--label", "all", "--out", str(out),
+                                       "--machine", "m", "--commit", "c", "--command", "x",
+                                       "--about", "a"]) == 0
+    (row,) = json.loads(out.read_text())["values"]["rows"]
+    written, whole, compacted, zipped, procs, timed, kept = row[3:]
+    assert (procs, timed, kept) == (6, 6000, 6000)
+    assert whole > written > 10 * compacted > 10 * zipped
