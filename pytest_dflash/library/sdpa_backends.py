@@ -4,7 +4,8 @@ forced with ``torch.nn.attention.sdpa_kernel`` (contract ``AttnD256``).
 The call is the plain one a user would write: K/V expanded to the query heads, an explicit
 bottom-right causal mask where queries are fewer than keys, ``is_causal`` otherwise. A backend
 that cannot run a call (flash takes no explicit mask, cuDNN and flash have head-dim and dtype
-limits that move between releases) makes torch raise "No available kernel"; the route then
+limits that move between releases) makes torch refuse the call ("No available kernel"); the
+route then
 skips the gate test with torch's own reasons (its warnings), so the gate stays pending: a
 backend that cannot serve the shapes is not judged on them, and is never passed either.
 """
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 FAMILY = "attn.d256"
+
+
+# how torch says that no kernel of the allowed backends takes the call (CUDA builds, CPU builds)
+REFUSALS = ("No available kernel", "No viable backend")
 
 
 class BackendUnavailable(Exception):
@@ -67,7 +72,7 @@ class SdpaBackend:
                         qh, kh, vh, attn_mask=mask, is_causal=causal and mask is None,
                         scale=scale)
             except RuntimeError as exc:
-                if "No available kernel" not in str(exc):
+                if not any(sign in str(exc) for sign in REFUSALS):
                     raise
                 self._unavailable(q, tq, tk, mask is not None, exc, told)
         out.copy_(o[0].permute(1, 0, 2))
