@@ -31,7 +31,10 @@ its modelling code:
 - ``gemm.nvfp4``: every gated MLP is quantized once to NVFP4 and served by the route's GEMM
   (:mod:`pytest_dflash.engines.transformers_mlp`); the baseline runs the same codes;
 - ``prefill.geometry``: the chunk size, and the storage dtype of recurrent states between
-  chunks through the cache (:mod:`pytest_dflash.engines.transformers_cache`).
+  chunks through the cache (:mod:`pytest_dflash.engines.transformers_cache`);
+- ``linear.gdn`` and ``norm_mlp`` (the kernel libraries' families): the gated delta rule at
+  transformers' own gated-DeltaNet dispatch point while this engine runs, the gated norm and
+  Liger's RMSNorm as patched modules of this model (:mod:`pytest_dflash.library.hf_switch`).
 
 The ``prefill.geometry.hf_*`` routes (registered only while this engine is selected:
 :data:`ROUTES`) switch further transformers settings: attention implementation (eager against

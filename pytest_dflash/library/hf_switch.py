@@ -51,10 +51,8 @@ def dispatcher_of(point: Any) -> Callable[..., Any]:
     """transformers' dispatch function behind a dispatch point: the point itself, or the
     function a ``kernels`` ``Func`` module calls (the ``func`` of its ``forward``'s closure)."""
     forward = getattr(type(point), "forward", None)
-    code = getattr(forward, "__code__", None)
-    if code is not None and "func" in code.co_freevars and forward.__closure__:
-        return forward.__closure__[code.co_freevars.index("func")].cell_contents
-    return point
+    inner = _closure(forward, "func") if forward is not None else None
+    return inner if inner is not None else point
 
 
 def _closure(function: Callable[..., Any], name: str) -> Any:
