@@ -264,7 +264,19 @@ class Naive(GdnRoute):
         return (out * torch.nn.functional.silu(gate.float())).to(x.dtype)
 
 
+class NaivePrefill(Naive):
+    """Like fla_chunk: its own code for prefill chunks of more than 8 tokens only."""
+
+    own = frozenset({"chunk"})
+
+    def _serves(self, op, tokens):
+        return op == "chunk" and tokens > 8
+
+
 def pytest_dflash_routes(registry):
+    registry.register(Route("linear.gdn.naive_prefill", "linear.gdn", "candidate",
+                            baseline="linear.gdn.torch", gates=("validation_cost",),
+                            impl=NaivePrefill("linear.gdn.naive_prefill")))
     registry.register(Route("linear.gdn.naive", "linear.gdn", "candidate",
                             baseline="linear.gdn.torch", gates=("parity",),
                             impl=Naive("linear.gdn.naive")))
@@ -328,3 +340,25 @@ def test_the_self_test_plants_gated_delta_rule_defects_that_change_the_result() 
         out, _ = impl.chunk(*args, True, True)
         ok = check_parity(out, want[0], None, policy=Policy(), dtype="float32", label=key).ok
         assert ok == (defect is None), key
+
+
+@needs_hf
+def test_a_prefill_route_leaves_the_verify_path_as_it_was(pytester: pytest.Pytester) -> None:
+    """The engine validation-cost gate on the transformers engine: a gated-delta-rule route
+    serving prefill chunks only (as fla_chunk does) runs the same kernels in verify steps of
+    M = 1..8 as the baseline, the gated norms included."""
+    pytester.makepyfile(gdn_routes=GDN_ROUTES)
+    pytester.syspathinsert()
+    report = pytester.path / "gdn-report.json"
+    result = pytester.runpytest_subprocess(
+        "-p", "gdn_routes", "--pyargs", "dflash_suites.test_validation_cost_engine",
+        "--dflash-engine", "hf", "--dflash-route", "linear.gdn.naive_prefill",
+        "--dflash-profile", "quick", "--dflash-report", str(report), "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
+    route = json.loads(report.read_text())["routes"]["linear.gdn.naive_prefill"]
+    assert route["verdict"] == "accept"
+    (test,) = route["gates"]["validation_cost"]["tests"]
+    hits = test["measurements"]["route_hits"]
+    assert hits["m1"]["linear.gdn.naive_prefill/recurrent_dispatch"] > 0
+    assert hits["m4"]["linear.gdn.naive_prefill/chunk_dispatch"] > 0
+    assert hits["m4"]["linear.gdn.torch/gated_norm"] > 0

@@ -10,8 +10,8 @@ package installed the name holds a ``Func`` module whose ``forward`` calls the s
 back exactly what was there afterwards), so two engines of one process (baseline and
 candidate) each run their own route, and the baseline runs the torch code even where fla is
 installed. Each call is counted on the calling layer (``layer{i}:chunk:m>8`` ...) under the route
-whose own code served it. A route that replaces the gated norm gets each layer's ``norm``
-swapped for :class:`RouteGatedNorm`, per model.
+whose own code served it. Each layer's gated ``norm`` is swapped for :class:`RouteGatedNorm`
+(per model), which calls the route's ``gated_norm`` with the layer's weight.
 
 **Liger (family ``norm_mlp``).** :func:`apply_liger` runs ``apply_liger_kernel_to_qwen3_5`` on
 one model instance and then restores the module-level classes it also replaces, so models built
@@ -96,17 +96,20 @@ class RouteGatedNorm(_module_base()):  # type: ignore[misc]
     """A gated-DeltaNet layer's output norm served by a ``linear.gdn`` route's
     ``gated_norm``, with the layer's own weight and epsilon; counts its calls."""
 
-    def __init__(self, inner: Any, route_name: str, impl: Any, layer_idx: Any) -> None:
+    def __init__(self, inner: Any, route_name: str, impl: Any, layer_idx: Any,
+                 baseline: str) -> None:
         super().__init__()
         self.inner, self.route_name, self.impl = inner, route_name, impl
+        self.baseline = baseline  # whose code a call the route leaves to the baseline runs
         self.op = f"layer{layer_idx}:gated_norm"
 
     def forward(self, hidden_states: Any, gate: Any = None) -> Any:
         from pytest_dflash.engines.transformers_attention import count_call
 
-        count_call(self, self.route_name, self.op)
         out = self.impl.gated_norm(hidden_states, gate, self.inner.weight,
                                    self.inner.variance_epsilon)
+        served = self.route_name if getattr(self.impl, "last_served", True) else None
+        count_call(self, served or self.baseline, self.op)
         return out.to(hidden_states.dtype)
 
 
@@ -140,10 +143,12 @@ class GdnSwitch:
         self.modules = list({id(m): m for m in
                              (sys.modules[type(layer).__module__] for layer in self.layers)
                              }.values())
-        if "gated_norm" in getattr(impl, "own", ()):
-            for layer in self.layers:
-                layer.norm = RouteGatedNorm(layer.norm, route_name, impl,
-                                            getattr(layer, "layer_idx", "?"))
+        # every route's gated norm is called through its contract, the baseline's too (it
+        # runs transformers' own forward), so a verify step records the same kernels whichever
+        # route leaves its norm to the baseline
+        for layer in self.layers:
+            layer.norm = RouteGatedNorm(layer.norm, route_name, impl,
+                                        getattr(layer, "layer_idx", "?"), baseline)
         torch_fallbacks()  # resolved before any switch is installed
         self._ops = {name: self._dispatch(op) for op, name in DISPATCH.items()}
 
