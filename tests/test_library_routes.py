@@ -237,6 +237,33 @@ def test_a_backend_torch_cannot_run_skips_with_torchs_reason(backend: str) -> No
     assert "Tq=5, Tk=9" in message and "explicit mask" in message
 
 
+@needs_hf
+def test_a_forced_backend_serves_the_models_attention_through_attention_interface() -> None:
+    """Inside the model the SDPA routes are transformers attention functions: on this CPU the
+    flash backend (torch's CPU flash kernel) serves every attention layer, and a backend torch
+    has no kernel of here stops the forward with torch's reason (the gate would be pending)."""
+    from pytest_dflash.engines import transformers as hf
+
+    registry = hf_registry()
+    selection = registry.engine_selection()
+    flash = hf.build(hf.default_model_dir(), {**selection, "attn.d256": "attn.d256.sdpa_flash"},
+                     "quick", registry=registry)
+    ids = flash.encode("def add(a, b):\n    return a + b\n" * 3, add_special_tokens=True)
+    flash.prefill(ids)
+    flash.verify(ids[:3])
+    hits = flash.route_hits()
+    for layer in (3, 7):  # the full-attention layers
+        assert hits[f"attn.d256.sdpa_flash:layer{layer}:fresh"] >= 1, hits
+        assert hits[f"attn.d256.sdpa_flash:layer{layer}:cached"] >= 1, hits
+    assert hits["attn.d256.sdpa_flash/dense"] >= 2 and hits["attn.d256.sdpa_flash/paged"] >= 2
+    if torch.cuda.is_available():
+        return
+    cudnn = hf.build(hf.default_model_dir(), {**selection, "attn.d256": "attn.d256.sdpa_cudnn"},
+                     "quick", registry=registry)
+    with pytest.raises(pytest.skip.Exception, match="CUDNN_ATTENTION backend cannot run"):
+        cudnn.prefill(ids)
+
+
 # ------------------------------------------------------------- the suite and planted defects
 GDN_ROUTES = '''
 from pytest_dflash import Route
