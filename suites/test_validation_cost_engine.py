@@ -1,4 +1,5 @@
-"""Model-level validation-cost gate of family gemm.nvfp4 (docs/gates.md, "validation_cost").
+"""Model-level validation-cost gate of families gemm.nvfp4 and linear.gdn (docs/gates.md,
+"validation_cost").
 
 The op-level gate (test_validation_cost_gemm.py) times one MLP per verify width; this one times
 what speculative decoding pays end to end: after a prefill of the profile's prompt, one
@@ -22,7 +23,9 @@ from dflash_suites.support.engine import speculative_round, verify_drafts
 pytestmark = pytest.mark.sm70
 
 
-@pytest.mark.gate("validation_cost", family="gemm.nvfp4")
+# gemm.nvfp4: a prefill GEMM route must leave the M <= 8 verify GEMMs as they were; linear.gdn:
+# a prefill route of the gated delta rule must leave verify blocks on the baseline's code
+@pytest.mark.gate("validation_cost", family=("gemm.nvfp4", "linear.gdn"))
 def test_validation_cost_engine_verify(dflash_gate):
     import torch
 

@@ -1,6 +1,6 @@
-"""The shipped families offer exactly the gate kinds the shipped suites measure, the shipped
-routes declare the seed's plan (docs/gates.md, "The seed's test plan"), and the registry
-refuses a kind a family cannot run."""
+"""The shipped families (and the kernel libraries') offer exactly the gate kinds the shipped
+suites measure, the shipped routes declare the seed's plan (docs/gates.md, "The seed's test
+plan"), and the registry refuses a kind a family cannot run."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from pytest_dflash import Family, RegistryError, Route, RouteRegistry
+from pytest_dflash.routes.library import FAMILIES as LIBRARY_FAMILIES
 from pytest_dflash.routes.shipped import SHIPPED_FAMILIES, SHIPPED_ROUTES, pytest_dflash_routes
 
 SUITE_KINDS = """
@@ -45,9 +46,10 @@ def suite_kinds() -> dict[str, set[str]]:
 
 def test_shipped_families_offer_what_the_suites_measure() -> None:
     measured = suite_kinds()
-    assert {f.name: set(f.gates) for f in SHIPPED_FAMILIES} == measured
+    families = (*SHIPPED_FAMILIES, *LIBRARY_FAMILIES)  # the kernel libraries' too
+    assert {f.name: set(f.gates) for f in families} == measured
     # the model-level gates serve every family the engine applies
-    for family in SHIPPED_FAMILIES:
+    for family in families:
         assert {"prefill", "ppl", "quality"} <= set(family.gates), family.name
 
 

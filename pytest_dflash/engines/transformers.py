@@ -31,7 +31,10 @@ its modelling code:
 - ``gemm.nvfp4``: every gated MLP is quantized once to NVFP4 and served by the route's GEMM
   (:mod:`pytest_dflash.engines.transformers_mlp`); the baseline runs the same codes;
 - ``prefill.geometry``: the chunk size, and the storage dtype of recurrent states between
-  chunks through the cache (:mod:`pytest_dflash.engines.transformers_cache`).
+  chunks through the cache (:mod:`pytest_dflash.engines.transformers_cache`);
+- ``linear.gdn`` and ``norm_mlp`` (the kernel libraries' families): the gated delta rule at
+  transformers' own gated-DeltaNet dispatch point while this engine runs, the gated norm and
+  Liger's RMSNorm as patched modules of this model (:mod:`pytest_dflash.library.hf_switch`).
 
 The ``prefill.geometry.hf_*`` routes (registered only while this engine is selected:
 :data:`ROUTES`) switch further transformers settings: attention implementation (eager against
@@ -67,6 +70,7 @@ if TYPE_CHECKING:
     from pytest_dflash.routes.registry import RouteRegistry
 
 ATTN, GEMM, GEOMETRY = "attn.d256", "gemm.nvfp4", "prefill.geometry"
+GDN, NORM_MLP = "linear.gdn", "norm_mlp"  # the kernel libraries' families (routes/library.py)
 BASELINE = f"{GEOMETRY}.fp32_q3296"
 MAX_VERIFY_ROWS = 8
 ATTENTION = ("sdpa", "eager")
@@ -243,20 +247,25 @@ ROUTES: tuple[Route, ...] = (
 
 
 def pytest_dflash_routes(registry: RouteRegistry) -> None:
-    """Register :data:`ROUTES` (this module is registered as a plugin only while the
-    transformers engine is selected, so the reference engine never faces them)."""
+    """Register :data:`ROUTES` and the kernel libraries' candidate routes
+    (``pytest_dflash.routes.library.CANDIDATES``). This module is registered as a plugin only
+    while the transformers engine is selected, so the reference engine never faces them."""
+    from pytest_dflash.routes import library
+
     for route in ROUTES:
         registry.register(route)
+    library.register_candidates(registry)
 
 
 def default_registry() -> Any:
     """The shipped routes plus :data:`ROUTES`: what an engine built outside a pytest session
     (``build(..., registry=None)``) resolves route names against."""
-    from pytest_dflash.routes import shipped
+    from pytest_dflash.routes import library, shipped
     from pytest_dflash.routes.registry import RouteRegistry
 
     registry = RouteRegistry()
     shipped.pytest_dflash_routes(registry)
+    library.pytest_dflash_routes(registry)
     pytest_dflash_routes(registry)
     registry.validate()
     return registry
@@ -300,6 +309,24 @@ def route_objects(selection: Mapping[str, str],
             raise EngineError(str(exc)) from None
         out[family] = (name, impl)
     return out
+
+
+def library_route(selection: Mapping[str, str], registry: RouteRegistry,
+                  family: str) -> tuple[str, Any] | None:
+    """(route name, implementation) of a library family (``linear.gdn``, ``norm_mlp``): the
+    selection's route, else the family's baseline; None where the registry has no such family
+    (an engine built from a registry without the library families)."""
+    if family not in registry.families():
+        return None
+    name = selection.get(family) or registry.role(family, "baseline").name
+    route = registry.get(name)
+    if route.family != family:
+        raise EngineError(f"selection maps family {family!r} to route {name!r} of family "
+                          f"{route.family!r}; map each family to one of its own routes")
+    try:
+        return name, registry.family_of(family).check(route.implementation(), name)
+    except TypeError as exc:
+        raise EngineError(str(exc)) from None
 
 
 class TransformersEngine:
@@ -353,6 +380,7 @@ class TransformersEngine:
         from pytest_dflash.engines.transformers_mlp import quantize_mlps
 
         self.attention_served_by = served_by(attention) or attention
+        self._switch_libraries(selection, registry)
         self.mlps = quantize_mlps(self.model, self.gemm_route, self.gemm)
         # the cache argument's name: ``cache`` from transformers 5.x on, ``past_key_values``
         # before (the older name is deprecated there)
@@ -408,6 +436,32 @@ class TransformersEngine:
                 "the reference engine")
         return self.settings.attn_implementation
 
+    def _switch_libraries(self, selection: Mapping[str, str], registry: RouteRegistry) -> None:
+        """The library families' routes inside this model: ``linear.gdn`` at transformers'
+        gated-DeltaNet dispatch points while this engine runs, ``norm_mlp`` through Liger's
+        patch of this model's modules (``pytest_dflash.library.hf_switch``)."""
+        from pytest_dflash.library.hf_switch import GdnSwitch, apply_liger
+        from pytest_dflash.library.norm_mlp import liger_parts
+
+        self.gdn: Any = None
+        gdn = library_route(selection, registry, GDN)
+        if gdn is not None:
+            self.gdn = GdnSwitch(self.model, gdn[0], gdn[1], registry.role(GDN, "baseline").name)
+            self.selection[GDN] = gdn[0]
+        norm = library_route(selection, registry, NORM_MLP)
+        if norm is None:
+            return
+        self.selection[NORM_MLP] = norm[0]
+        parts = liger_parts(norm[1])
+        if parts["swiglu"]:
+            raise EngineUnsupported(
+                f"route {norm[0]} cannot be applied in this engine: every gated MLP here is "
+                f"served by family {GEMM} (NVFP4 codes, silu(gate) * up fused into the route's "
+                "gate_up), so Liger's SwiGLU MLP has no MLP to replace; its op-level parity "
+                "gate judges it")
+        if parts["rms_norm"]:
+            apply_liger(self.model, norm[0], rms_norm=True, swiglu=False)
+
     # ------------------------------------------------------------------------- helpers
     def _new_cache(self, max_len: int) -> Any:
         from transformers import QuantizedCache, StaticCache
@@ -435,11 +489,18 @@ class TransformersEngine:
             if self._depth > 1:
                 yield
                 return
-            with hits.counting() as delta:
+            with hits.counting() as delta, self._gdn_installed():
                 yield
             self._kernel.update({f"{r}/{op}": n for (r, op), n in delta.counts.items()})
         finally:
             self._depth -= 1
+
+    def _gdn_installed(self) -> Any:
+        """This engine's linear.gdn route at transformers' dispatch points while it runs."""
+        from contextlib import nullcontext
+
+        gdn = getattr(self, "gdn", None)
+        return gdn.installed() if gdn is not None else nullcontext()
 
     def _hit(self, op: str, cache: Any) -> None:
         """One dispatch of this engine, with what really ran: the loaded model's attention

@@ -81,6 +81,42 @@ class PrefillGeometry(Protocol):
     def chunk(self, profile: str) -> int: ...
 
 
+@runtime_checkable
+class GatedDeltaRule(Protocol):
+    """Family ``linear.gdn``: the gated delta rule of a gated-DeltaNet layer and its output norm
+    (Qwen3.5; flash-linear-attention's calling convention).
+
+    ``chunk`` (a prefill chunk or any block of tokens) and ``recurrent`` (a decode step over
+    the cached state) take q/k ``[B, T, Hk, Dk]``, v ``[B, T, Hv, Dv]`` (Hv a multiple of Hk),
+    the log decay ``g`` and ``beta`` ``[B, T, Hv]``, an optional ``initial_state`` ``[B, Hv,
+    Dk, Dv]``, and return the output ``[B, T, Hv, Dv]`` and, when ``output_final_state``, the
+    final state; ``use_qk_l2norm_in_kernel`` L2-normalises q and k first. ``gated_norm(x,
+    gate, weight, eps)`` is ``rmsnorm(x) * weight * silu(gate)`` over the last dim. Every call
+    records a route hit naming what served it.
+    """
+
+    def chunk(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+              initial_state: Tensor | None, output_final_state: bool,
+              use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor | None]: ...
+
+    def recurrent(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                  initial_state: Tensor | None, output_final_state: bool,
+                  use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor | None]: ...
+
+    def gated_norm(self, x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor: ...
+
+
+@runtime_checkable
+class NormMlp(Protocol):
+    """Family ``norm_mlp``: a decoder layer's RMSNorm (Qwen3.5's zero-centred weight:
+    ``x * rsqrt(mean(x^2) + eps) * (1 + weight)``) and the SwiGLU activation of its MLP
+    (``silu(gate) * up``), both in the input's dtype. Every call records a route hit."""
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
+
+    def swiglu(self, gate: Tensor, up: Tensor) -> Tensor: ...
+
+
 def contract_calls(contract: type) -> tuple[str, ...]:
     """The methods a contract Protocol requires, in declaration order."""
     return tuple(name for name, value in vars(contract).items()

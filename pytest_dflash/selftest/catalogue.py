@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 SEPARATOR = "~"
 PASS_THROUGH = "passthrough"  # the verify route behind the planted routes' wrapper, no defect
 ATTN, GEMM, GEOMETRY = "attn.d256", "gemm.nvfp4", "prefill.geometry"
+GDN = "linear.gdn"  # flash-linear-attention's routes (pytest_dflash.routes.library)
 PARITY_SCALE = 1.0 + 2.0**-9
 DEGENERATE_EVERY = 4
 VERIFY_COST = 0.02
@@ -143,6 +144,14 @@ def catalogue(policy: Any) -> tuple[Defect, ...]:
                "GQA query head h reads KV head h % Hkv instead of h // (Hq / Hkv)"),
         Defect("paged_block_off", "parity", frozenset({ATTN}),
                "paged cache: the last logical block read one physical block off"),
+        # a copy of a gated-delta-rule route with one classic kernel bug each: the op-level
+        # parity gate must reject it, and inside the model the ppl gate
+        Defect("state_not_carried", "parity", frozenset({GDN}),
+               "gated delta rule: the starting state ignored (not carried across a chunk seam)",
+               also=("ppl",)),
+        Defect("qk_l2norm_dropped", "parity", frozenset({GDN}),
+               "gated delta rule: the query/key L2 norm asked for is not applied",
+               also=("ppl",)),
     ]
     rungs = sorted({float(policy.speed_min_gain), *SPEED_RUNGS})
     for fraction in rungs:

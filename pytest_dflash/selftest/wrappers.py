@@ -22,6 +22,7 @@ from pytest_dflash.native import hits
 from pytest_dflash.routes.registry import Route
 from pytest_dflash.selftest.catalogue import (
     ATTN,
+    GDN,
     GEMM,
     GEOMETRY,
     PARITY_SCALE,
@@ -111,6 +112,46 @@ class AttnSelftest(_Wrapper):
         tmp = torch.empty_like(out)
         run(q_perm, tmp)
         out.copy_(tmp[:, slots])
+
+
+class GdnSelftest(_Wrapper):
+    """linear.gdn contract: ``chunk``, ``recurrent``, ``gated_norm``; the gated-delta-rule
+    defects act on the arguments the served route gets."""
+
+    def chunk(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False):
+        return self._rule("chunk", q, k, v, g, beta, initial_state, output_final_state,
+                          use_qk_l2norm_in_kernel)
+
+    def recurrent(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False):
+        return self._rule("recurrent", q, k, v, g, beta, initial_state, output_final_state,
+                          use_qk_l2norm_in_kernel)
+
+    def gated_norm(self, x, gate, weight, eps):
+        with self._served():
+            return self.impl.gated_norm(x, gate, weight, eps)
+
+    @property
+    def own(self) -> frozenset[str]:
+        """The ops the served route serves itself (the engine replaces the gated norm only
+        for a route that does)."""
+        return frozenset(getattr(self.impl, "own", ("chunk", "recurrent", "gated_norm")))
+
+    @property
+    def last_served(self) -> bool:
+        return bool(getattr(self.impl, "last_served", True))
+
+    def _rule(self, op, q, k, v, g, beta, initial_state, output_final_state, l2norm):
+        if self.defect == "state_not_carried":
+            initial_state = None
+        if self.defect == "qk_l2norm_dropped":
+            l2norm = False
+        with self._served():
+            run = getattr(self.impl, op)
+            return self.slowdown.run(
+                lambda: run(q, k, v, g, beta, initial_state, output_final_state, l2norm),
+                device=q.device, signature=(op, tuple(q.shape), q.dtype))
 
 
 class _TwoPaths:
@@ -209,6 +250,8 @@ def implementation_for(planted: Planted, registry: RouteRegistry, policy: Policy
         return AttnSelftest(planted, registry)
     if family == GEMM:
         return GemmSelftest(planted, registry)
+    if family == GDN:
+        return GdnSelftest(planted, registry)
     if family == GEOMETRY:
         return planted.serves.impl
     raise ValueError(f"the self-test has no catalogue for family {family!r}")

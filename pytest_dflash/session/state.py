@@ -16,7 +16,7 @@ import pytest
 from pytest_dflash import settings
 from pytest_dflash.measure import timing_pool
 from pytest_dflash.policy.thresholds import Policy, PolicyError, load_policy
-from pytest_dflash.routes import origin, shipped
+from pytest_dflash.routes import library, origin, shipped
 from pytest_dflash.routes.registry import RegistryError, Route, RouteRegistry
 from pytest_dflash.routes.vocabulary import UnknownNameError, check_kind
 from pytest_dflash.session import shard
@@ -80,6 +80,8 @@ def start(config: pytest.Config) -> DflashState:
     config.stash[STATE] = state
     if not config.pluginmanager.is_registered(shipped):
         config.pluginmanager.register(shipped, "dflash-shipped-routes")
+    if not config.pluginmanager.is_registered(library):  # the library families' references
+        config.pluginmanager.register(library, "dflash-library-families")
     if asked.engine == "hf":  # the transformers engine's own routes, only while it is selected
         from pytest_dflash.engines import transformers as hf_engine
 

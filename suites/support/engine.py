@@ -17,10 +17,12 @@ from typing import Any
 from pytest_dflash.engines.data import prompt_ids
 
 # The families the engines apply (the reference engine runs attention, the MLP projections and
-# the prefill geometry through the selected routes): the model-level gates (ppl, quality,
-# prefill) serve a candidate of any of them, on an engine with that candidate switched in and
-# every other family at its baseline.
-ENGINE_FAMILIES: tuple[str, ...] = ("attn.d256", "gemm.nvfp4", "prefill.geometry")
+# the prefill geometry through the selected routes; the transformers engine also the kernel
+# libraries' gated DeltaNet and norm routes): the model-level gates (ppl, quality, prefill)
+# serve a candidate of any of them, on an engine with that candidate switched in and every
+# other family at its baseline.
+ENGINE_FAMILIES: tuple[str, ...] = ("attn.d256", "gemm.nvfp4", "prefill.geometry", "linear.gdn",
+                                    "norm_mlp")
 
 
 class Served:

@@ -1,0 +1,241 @@
+"""Switching library routes into a transformers model where the modelling code dispatches.
+
+**Gated DeltaNet (family ``linear.gdn``).** transformers (5.15 and later) decorates Qwen3.5's
+``torch_chunk_gated_delta_rule`` and ``torch_recurrent_gated_delta_rule`` with
+``use_kernel_func_from_hub_with_fallback``: at import time it binds flash-linear-attention's
+kernel when fla can be imported, and keeps the torch code as the wrapper's ``__wrapped__``. The
+layer calls the module-level name, so that name is the dispatch point. With the ``kernels``
+package installed the name holds a ``Func`` module whose ``forward`` calls the same wrapper.
+:class:`GdnSwitch` puts the selected route's ops at those names while its engine runs (and puts
+back exactly what was there afterwards), so two engines of one process (baseline and
+candidate) each run their own route, and the baseline runs the torch code even where fla is
+installed. Each call is counted on the calling layer (``layer{i}:chunk:m>8`` ...) under the route
+whose own code served it. Each layer's gated ``norm`` is swapped for :class:`RouteGatedNorm`
+(per model), which calls the route's ``gated_norm`` with the layer's weight.
+
+**Liger (family ``norm_mlp``).** :func:`apply_liger` runs ``apply_liger_kernel_to_qwen3_5`` on
+one model instance and then restores the module-level classes it also replaces, so models built
+later (the baseline's) keep transformers' own; each patched norm counts its calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+from pytest_dflash.engines import EngineError, EngineUnsupported
+
+MODELLING = "transformers.models.qwen3_5.modeling_qwen3_5"
+DISPATCH = {"chunk": "torch_chunk_gated_delta_rule",
+            "recurrent": "torch_recurrent_gated_delta_rule"}
+MAX_VERIFY_ROWS = 8
+
+
+def modelling_module() -> ModuleType:
+    """transformers' Qwen3.5 modelling module, or EngineUnsupported naming the fix."""
+    import importlib
+
+    try:
+        return importlib.import_module(MODELLING)
+    except ImportError as exc:
+        raise EngineUnsupported(
+            f"transformers has no Qwen3.5 modelling code ({exc}); family linear.gdn needs "
+            "transformers >= 5.15: pip install -U 'pytest-dflash[hf]'") from None
+
+
+def dispatcher_of(point: Any) -> Callable[..., Any]:
+    """transformers' dispatch function behind a dispatch point: the point itself, or the
+    function a ``kernels`` ``Func`` module calls (the ``func`` of its ``forward``'s closure)."""
+    forward = getattr(type(point), "forward", None)
+    inner = _closure(forward, "func") if forward is not None else None
+    return inner if inner is not None else point
+
+
+def _closure(function: Callable[..., Any], name: str) -> Any:
+    code = getattr(function, "__code__", None)
+    if code is None or name not in code.co_freevars or not function.__closure__:
+        return None
+    return function.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def dispatch_target(point: Any) -> dict[str, Any]:
+    """What transformers' dispatch point does by default: ``fallback`` (the torch code, the
+    wrapper's ``__wrapped__``), ``implementation`` (what it bound at import: fla's kernel when
+    fla imported, else the torch code) and ``library`` (whether that is a library's)."""
+    point = getattr(point, "__dflash_original__", point)  # a switch installed now: the original
+    dispatcher = dispatcher_of(point)
+    fallback = getattr(dispatcher, "__wrapped__", dispatcher)
+    bound = _closure(dispatcher, "implementation")
+    implementation = bound if bound is not None else fallback
+    return {"dispatcher": dispatcher, "fallback": fallback, "implementation": implementation,
+            "library": implementation is not fallback}
+
+
+@functools.lru_cache(maxsize=1)
+def torch_fallbacks() -> SimpleNamespace:
+    """The torch code transformers' Qwen3.5 runs without flash-linear-attention: ``chunk`` and
+    ``recurrent`` (the dispatch points' ``__wrapped__``) and ``gated_norm`` (the unbound
+    ``Qwen3_5RMSNormGated.forward``)."""
+    module = modelling_module()
+    ops = {op: dispatch_target(getattr(module, name))["fallback"]
+           for op, name in DISPATCH.items()}
+    return SimpleNamespace(**ops, gated_norm=module.Qwen3_5RMSNormGated.forward)
+
+
+def _module_base() -> type:
+    import torch
+
+    return torch.nn.Module
+
+
+class RouteGatedNorm(_module_base()):  # type: ignore[misc]
+    """A gated-DeltaNet layer's output norm served by a ``linear.gdn`` route's
+    ``gated_norm``, with the layer's own weight and epsilon; counts its calls."""
+
+    def __init__(self, inner: Any, route_name: str, impl: Any, layer_idx: Any,
+                 baseline: str) -> None:
+        super().__init__()
+        self.inner, self.route_name, self.impl = inner, route_name, impl
+        self.baseline = baseline  # whose code a call the route leaves to the baseline runs
+        self.op = f"layer{layer_idx}:gated_norm"
+
+    def forward(self, hidden_states: Any, gate: Any = None) -> Any:
+        from pytest_dflash.engines.transformers_attention import count_call
+
+        out = self.impl.gated_norm(hidden_states, gate, self.inner.weight,
+                                   self.inner.variance_epsilon)
+        served = self.route_name if getattr(self.impl, "last_served", True) else None
+        count_call(self, served or self.baseline, self.op)
+        return out.to(hidden_states.dtype)
+
+
+def gdn_layers(model: Any) -> list[Any]:
+    """The model's gated-DeltaNet layers: modules whose modelling module has the dispatch
+    points (Qwen3.5 and the models that share its layer)."""
+    found = []
+    for module in model.modules():
+        owner = sys.modules.get(type(module).__module__)
+        if (owner is not None and type(module).__name__.endswith("GatedDeltaNet")
+                and all(hasattr(owner, name) for name in DISPATCH.values())):
+            found.append(module)
+    return found
+
+
+class GdnSwitch:
+    """One engine's ``linear.gdn`` route inside its model (see the module docstring)."""
+
+    def __init__(self, model: Any, route_name: str, impl: Any, baseline: str) -> None:
+        self.route_name, self.impl, self.baseline = route_name, impl, baseline
+        self.layers = gdn_layers(model)
+        self.root = model
+        if not self.layers:
+            if route_name != baseline:
+                raise EngineUnsupported(
+                    f"route {route_name} cannot be applied in {type(model).__name__}: it has "
+                    "no gated-DeltaNet layers; gate it on a Qwen3.5-architecture model (the "
+                    "default --dflash-engine hf model)")
+            self.modules: list[ModuleType] = []
+            return
+        self.modules = list({id(m): m for m in
+                             (sys.modules[type(layer).__module__] for layer in self.layers)
+                             }.values())
+        # every route's gated norm is called through its contract, the baseline's too (it
+        # runs transformers' own forward), so a verify step records the same kernels whichever
+        # route leaves its norm to the baseline
+        for layer in self.layers:
+            layer.norm = RouteGatedNorm(layer.norm, route_name, impl,
+                                        getattr(layer, "layer_idx", "?"), baseline)
+        torch_fallbacks()  # resolved before any switch is installed
+        self._ops = {name: self._dispatch(op) for op, name in DISPATCH.items()}
+
+    def _dispatch(self, op: str) -> Callable[..., Any]:
+        route_op = getattr(self.impl, op)
+        route_name, baseline, root, impl = self.route_name, self.baseline, self.root, self.impl
+
+        def dispatched(query: Any, key: Any, value: Any, g: Any = None, beta: Any = None,
+                       initial_state: Any = None, output_final_state: bool = False,
+                       use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Any = None,
+                       **kwargs: Any) -> Any:
+            from pytest_dflash.engines.transformers_attention import count_call
+
+            if cu_seqlens is not None:
+                raise EngineError(f"{route_name}: transformers passed packed sequences "
+                                  "(cu_seqlens); the engine runs one unpadded sequence")
+            out, state = route_op(query, key, value, g, beta, initial_state,
+                                  output_final_state, use_qk_l2norm_in_kernel)
+            caller = sys._getframe(1).f_locals.get("self")  # the layer that called the point
+            layer = caller if caller is not None and hasattr(caller, "layer_idx") else root
+            served = route_name if getattr(impl, "last_served", True) else baseline
+            rows = "m<=8" if query.shape[1] <= MAX_VERIFY_ROWS else "m>8"
+            count_call(layer, served, f"layer{getattr(layer, 'layer_idx', '?')}:{op}:{rows}")
+            if state is not None and initial_state is not None:
+                state = state.to(initial_state.dtype)  # the cache keeps what it holds
+            # the layer's dtype, as transformers' fallback returns it
+            return out.to(query.dtype), state
+
+        dispatched.__name__ = dispatched.__qualname__ = f"{DISPATCH[op]}_via_route"
+        # what transformers put there, for anyone resolving the fallback while this is installed
+        dispatched.__dflash_original__ = getattr(self.modules[0], DISPATCH[op])  # type: ignore[attr-defined]
+        return dispatched
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """The route's ops at the dispatch points while the block runs; whatever was there
+        before is put back afterwards, also on an error."""
+        saved = [(module, name, getattr(module, name))
+                 for module in self.modules for name in self._ops]
+        try:
+            for module, name, _ in saved:
+                setattr(module, name, self._ops[name])
+            yield
+        finally:
+            for module, name, value in saved:
+                setattr(module, name, value)
+
+
+def apply_liger(model: Any, route_name: str, rms_norm: bool, swiglu: bool) -> int:
+    """Liger's ``apply_liger_kernel_to_qwen3_5`` on ``model`` only (no loss patching, no
+    rotary: Liger has none for Qwen3.5), the modelling module's classes restored afterwards;
+    every patched norm counts its calls. Returns how many modules were patched."""
+    from transformers import PreTrainedModel
+
+    module = modelling_module()
+    if not isinstance(model, PreTrainedModel) or type(model).__module__ != module.__name__:
+        raise EngineUnsupported(
+            f"route {route_name} applies Liger's Qwen3.5 patch; {type(model).__name__} is not "
+            "a Qwen3.5 model: gate it on the default --dflash-engine hf model")
+    from liger_kernel.transformers import apply_liger_kernel_to_qwen3_5
+
+    saved = dict(vars(module))
+    norms = [m for m in model.modules() if type(m) is module.Qwen3_5RMSNorm]
+    try:
+        apply_liger_kernel_to_qwen3_5(rope=False, cross_entropy=False,
+                                      fused_linear_cross_entropy=False, rms_norm=rms_norm,
+                                      swiglu=swiglu, model=model)
+    finally:
+        for name, value in saved.items():
+            if vars(module).get(name) is not value:
+                setattr(module, name, value)
+    patched = 0
+    if rms_norm:
+        for norm in norms:
+            _count_forward(norm, route_name, "rms_norm")
+            patched += 1
+    return patched
+
+
+def _count_forward(module: Any, route_name: str, op: str) -> None:
+    """Count every call of ``module`` (its forward, as patched) on the module itself."""
+    from pytest_dflash.engines.transformers_attention import count_call
+
+    forward = module.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count_call(module, route_name, op)
+        return forward(*args, **kwargs)
+
+    module.forward = counted

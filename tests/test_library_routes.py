@@ -1,0 +1,391 @@
+"""The kernel libraries' routes (docs/library-routes.md) on a machine without CUDA.
+
+What can be checked here is checked for real: the routes register in the transformers engine's
+sessions only, every library implementation meets its family contract, on this machine every
+candidate ends pending with the reason (never passed, never crashed), transformers' own
+gated-DeltaNet dispatch point is swapped for the selected route while its engine runs and put
+back afterwards (the oracle route really computes the model's DeltaNet layers, counted from
+inside each layer), Liger's patch reaches one model only, a forced SDPA backend that torch
+cannot run here skips with torch's reason, the linear.gdn parity suite accepts a correct route
+and rejects one that drops its state, and the self-test's planted gated-delta-rule defects
+change what the served route computes. The kernels themselves (fla, Liger, the CUDA SDPA
+backends) run only on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_dflash.library import probes
+from pytest_dflash.routes import library
+from pytest_dflash.routes.registry import RouteRegistry
+from pytest_dflash.routes.shipped import pytest_dflash_routes as shipped_routes
+
+CANDIDATES = {route.name for route in library.CANDIDATES}
+HF_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+needs_hf = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("transformers") is None,
+    reason="transformers not installed: pip install 'pytest-dflash[hf]'")
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
+                             reason="checks what a machine without CUDA says")
+
+
+def hf_registry() -> RouteRegistry:
+    from pytest_dflash.engines import transformers as hf
+
+    return hf.default_registry()
+
+
+def test_library_candidates_come_with_the_transformers_engine_only() -> None:
+    reference = RouteRegistry()
+    shipped_routes(reference)
+    library.pytest_dflash_routes(reference)
+    reference.validate()
+    # the families and their references are there (the suites name them), no candidate is
+    assert {"linear.gdn", "norm_mlp"} <= set(reference.families())
+    assert not CANDIDATES & {r.name for r in reference.candidates()}
+    registry = hf_registry()
+    assert CANDIDATES <= {r.name for r in registry.candidates()}
+    assert {r.name for r in registry.candidates("attn.d256")} >= {
+        "attn.d256.sdpa_flash", "attn.d256.sdpa_efficient", "attn.d256.sdpa_cudnn"}
+    assert registry.family_of("linear.gdn").verify_route == "linear.gdn.torch"
+    assert "validation_cost" in registry.get("linear.gdn.fla_chunk").gates
+
+
+def test_every_library_route_meets_its_family_contract_and_has_a_probe() -> None:
+    registry = hf_registry()
+    for family in ("linear.gdn", "norm_mlp", "attn.d256"):
+        for route in registry.family(family):
+            registry.family_of(family).check(route.implementation(), route.name)
+    for route in library.CANDIDATES:
+        assert route.probe is not None, route.name
+
+
+@no_cuda
+def test_on_a_machine_without_cuda_every_candidate_says_why() -> None:
+    for route in library.CANDIDATES:
+        reason = route.unavailable_reason()
+        assert reason is not None, route.name
+        library_missing = "install 'pytest-dflash[gpu-routes]'" in reason
+        assert library_missing or reason.startswith("needs a CUDA device"), reason
+
+
+def test_without_the_libraries_the_reason_is_the_install_command() -> None:
+    """A real absence: the libraries' imports blocked in a fresh interpreter."""
+    code = (
+        "import sys\n"
+        "sys.modules['fla'] = None; sys.modules['liger_kernel'] = None\n"
+        "from pytest_dflash.library import probes\n"
+        "print(probes.fla()); print(probes.liger())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fla, liger = done.stdout.strip().splitlines()
+    assert fla.startswith("fla-core") and probes.EXTRA in fla, fla
+    assert liger.startswith("liger-kernel") and probes.EXTRA in liger, liger
+
+
+@needs_hf
+@no_cuda
+def test_the_gpu_command_on_a_cpu_ends_pending_with_the_reason(tmp_path: Path) -> None:
+    """``pytest -m sm70 --dflash-engine hf`` on the library routes: every gate pending with
+    the reason, exit code 0 or 1, no error."""
+    report = tmp_path / "report.json"
+    routes = ["linear.gdn.fla_chunk", "linear.gdn.fla_recurrent", "linear.gdn.fla_norm",
+              "norm_mlp.liger_rmsnorm", "norm_mlp.liger_swiglu", "attn.d256.sdpa_flash",
+              "attn.d256.sdpa_efficient", "attn.d256.sdpa_cudnn"]
+    args = [sys.executable, "-m", "pytest", "--pyargs", "dflash_suites", "-m", "sm70",
+            "--dflash-engine", "hf", "--dflash-profile", "quick", "--dflash-report",
+            str(report), "-p", "no:cacheprovider", "-q"]
+    for route in routes:
+        args += ["--dflash-route", route]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, **HF_ENV})
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+    assert " error" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
+    verdicts = json.loads(report.read_text())["routes"]
+    assert set(verdicts) == set(routes)
+    for name, entry in verdicts.items():
+        assert entry["verdict"] == "pending", (name, entry["verdict"])
+        for kind, gate in entry["gates"].items():
+            assert gate["status"] == "pending", (name, kind, gate["status"])
+            messages = " ".join(t["message"] or "" for t in gate["tests"])
+            assert "needs a CUDA device" in messages or probes.EXTRA in messages, messages
+
+
+# --------------------------------------------------------------------- the switch, for real
+def _model():
+    from transformers import AutoModelForCausalLM
+
+    from pytest_dflash.engines.transformers import default_model_dir
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+
+
+@needs_hf
+def test_the_switch_swaps_transformers_dispatch_point_and_puts_it_back() -> None:
+    from pytest_dflash.library import gdn
+    from pytest_dflash.library.hf_switch import (
+        DISPATCH,
+        GdnSwitch,
+        dispatch_target,
+        modelling_module,
+        torch_fallbacks,
+    )
+
+    module = modelling_module()
+    before = {name: getattr(module, name) for name in DISPATCH.values()}
+    target = dispatch_target(before["torch_chunk_gated_delta_rule"])
+    # the torch fallback stays reachable as the dispatch wrapper's __wrapped__
+    assert target["fallback"] is target["dispatcher"].__wrapped__
+    assert torch_fallbacks().chunk is target["fallback"]
+    if probes.installed("fla"):  # transformers bound fla's kernel at import time
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        assert target["library"] and target["implementation"] is chunk_gated_delta_rule
+    switch = GdnSwitch(_model(), "linear.gdn.oracle", gdn.ORACLE, "linear.gdn.torch")
+    assert len(switch.layers) == 6  # the tiny Qwen3.5's gated-DeltaNet layers
+    with switch.installed():
+        for name, original in before.items():
+            now = getattr(module, name)
+            assert now is not original and now.__name__ == f"{name}_via_route"
+            assert dispatch_target(now)["fallback"] is dispatch_target(original)["fallback"]
+    assert {name: getattr(module, name) for name in DISPATCH.values()} == before
+    with pytest.raises(RuntimeError), switch.installed():
+        raise RuntimeError("a failing forward")
+    assert {name: getattr(module, name) for name in DISPATCH.values()} == before
+
+
+@needs_hf
+def test_the_selected_route_computes_the_deltanet_layers_counted_inside_them() -> None:
+    """The engine with the fp64 oracle route switched in: every gated-DeltaNet layer's calls
+    are the oracle's (prefill chunk, verify block, decode step, gated norm), the baseline
+    engine's are the torch fallback's, and the logits differ by rounding only."""
+    from pytest_dflash.engines import transformers as hf
+
+    registry = hf_registry()
+    selection = registry.engine_selection()
+    base = hf.build(hf.default_model_dir(), selection, "quick", registry=registry)
+    oracle = hf.build(hf.default_model_dir(), {**selection, "linear.gdn": "linear.gdn.oracle"},
+                      "quick", registry=registry)
+    ids = base.encode("def add(a, b):\n    return a + b\n" * 3, add_special_tokens=True)
+    logits = []
+    for engine in (base, oracle):
+        engine.prefill(ids)
+        logits.append(engine.verify(ids[:4]))
+        engine.verify(ids[:1])
+    diff = float((logits[0] - logits[1]).abs().max())
+    assert 0 < diff < 1e-3, diff
+    for engine, route in ((base, "linear.gdn.torch"), (oracle, "linear.gdn.oracle")):
+        hits = engine.route_hits()
+        for layer in (0, 1, 2, 4, 5, 6):
+            for op in ("chunk:m>8", "chunk:m<=8", "gated_norm"):
+                assert hits.get(f"{route}:layer{layer}:{op}", 0) >= 1, (route, layer, op, hits)
+        assert f"{route}:layer3:chunk:m>8" not in hits  # layer 3 is full attention
+        assert hits[f"{route}/chunk"] >= 6
+        other = "linear.gdn.oracle" if route == "linear.gdn.torch" else "linear.gdn.torch"
+        assert not any(key.startswith(other) for key in hits), hits
+    # a decode step runs the recurrent op: the oracle serves it too
+    assert oracle.route_hits()["linear.gdn.oracle:layer0:recurrent:m<=8"] >= 1
+
+
+@needs_hf
+def test_liger_reaches_one_model_and_leaves_transformers_classes_alone() -> None:
+    if not probes.installed("liger_kernel"):
+        pytest.skip("liger-kernel not installed: pip install 'pytest-dflash[gpu-routes]'")
+    from pytest_dflash.engines import EngineUnsupported
+    from pytest_dflash.engines import transformers as hf
+    from pytest_dflash.library.hf_switch import apply_liger, modelling_module
+
+    module = modelling_module()
+    classes = dict(vars(module))
+    model = _model()
+    patched = apply_liger(model, "norm_mlp.liger_rmsnorm", rms_norm=True, swiglu=False)
+    assert patched == sum(type(m) is module.Qwen3_5RMSNorm for m in model.modules()) > 0
+    assert {k: v for k, v in vars(module).items() if k in classes} == classes
+    norm = model.model.norm
+    assert norm.forward.__name__ == "counted" and norm.casting_mode == "gemma"
+    assert norm.offset == 1.0  # Liger's Qwen3.5 setting
+    fresh = _model()
+    assert "forward" not in vars(fresh.model.norm)  # transformers' own forward
+    registry = hf_registry()
+    with pytest.raises(EngineUnsupported, match="family gemm.nvfp4"):
+        hf.build(hf.default_model_dir(), {**registry.engine_selection(),
+                                          "norm_mlp": "norm_mlp.liger_swiglu"},
+                 "quick", registry=registry)
+
+
+@pytest.mark.parametrize("backend", ["sdpa_efficient", "sdpa_cudnn"])
+@no_cuda
+def test_a_backend_torch_cannot_run_skips_with_torchs_reason(backend: str) -> None:
+    from pytest_dflash.library import sdpa_backends
+
+    impl = {"sdpa_efficient": sdpa_backends.EFFICIENT, "sdpa_cudnn": sdpa_backends.CUDNN}[backend]
+    q, k, v = (torch.randn(5, 4, 256), torch.randn(9, 2, 256), torch.randn(9, 2, 256))
+    out = torch.empty_like(q)
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        impl.dense(q, k, v, out, 256 ** -0.5, True)
+    message = str(skipped.value)
+    assert f"attn.d256.{backend}" in message and impl.backend in message
+    assert "Tq=5, Tk=9" in message and "explicit mask" in message
+
+
+@needs_hf
+def test_a_forced_backend_serves_the_models_attention_through_attention_interface() -> None:
+    """Inside the model the SDPA routes are transformers attention functions: on this CPU the
+    flash backend (torch's CPU flash kernel) serves every attention layer, and a backend torch
+    has no kernel of here stops the forward with torch's reason (the gate would be pending)."""
+    from pytest_dflash.engines import transformers as hf
+
+    registry = hf_registry()
+    selection = registry.engine_selection()
+    flash = hf.build(hf.default_model_dir(), {**selection, "attn.d256": "attn.d256.sdpa_flash"},
+                     "quick", registry=registry)
+    ids = flash.encode("def add(a, b):\n    return a + b\n" * 3, add_special_tokens=True)
+    flash.prefill(ids)
+    flash.verify(ids[:3])
+    hits = flash.route_hits()
+    for layer in (3, 7):  # the full-attention layers
+        assert hits[f"attn.d256.sdpa_flash:layer{layer}:fresh"] >= 1, hits
+        assert hits[f"attn.d256.sdpa_flash:layer{layer}:cached"] >= 1, hits
+    assert hits["attn.d256.sdpa_flash/dense"] >= 2 and hits["attn.d256.sdpa_flash/paged"] >= 2
+    if torch.cuda.is_available():
+        return
+    cudnn = hf.build(hf.default_model_dir(), {**selection, "attn.d256": "attn.d256.sdpa_cudnn"},
+                     "quick", registry=registry)
+    with pytest.raises(pytest.skip.Exception, match="CUDNN_ATTENTION backend cannot run"):
+        cudnn.prefill(ids)
+
+
+# ------------------------------------------------------------- the suite and planted defects
+GDN_ROUTES = '''
+from pytest_dflash import Route
+from pytest_dflash.library.gdn import GdnRoute, naive_recurrence
+
+
+class Naive(GdnRoute):
+    """The gated delta rule one token at a time in fp32 (optionally losing its state)."""
+
+    def __init__(self, name, keep_state=True):
+        self.route, self.keep_state = name, keep_state
+
+    def _chunk(self, q, k, v, g, beta, initial_state, output_final_state, l2norm):
+        state = initial_state if self.keep_state else None
+        out, final = naive_recurrence(q.float(), k.float(), v.float(), g.float(),
+                                      beta.float(), state, output_final_state, l2norm)
+        return out.to(v.dtype), (final.float() if final is not None else None)
+
+    _recurrent = _chunk
+
+    def _gated_norm(self, x, gate, weight, eps):
+        import torch
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+        return (out * torch.nn.functional.silu(gate.float())).to(x.dtype)
+
+
+class NaivePrefill(Naive):
+    """Like fla_chunk: its own code for prefill chunks of more than 8 tokens only."""
+
+    own = frozenset({"chunk"})
+
+    def _serves(self, op, tokens):
+        return op == "chunk" and tokens > 8
+
+
+def pytest_dflash_routes(registry):
+    registry.register(Route("linear.gdn.naive_prefill", "linear.gdn", "candidate",
+                            baseline="linear.gdn.torch", gates=("validation_cost",),
+                            impl=NaivePrefill("linear.gdn.naive_prefill")))
+    registry.register(Route("linear.gdn.naive", "linear.gdn", "candidate",
+                            baseline="linear.gdn.torch", gates=("parity",),
+                            impl=Naive("linear.gdn.naive")))
+    registry.register(Route("linear.gdn.stateless", "linear.gdn", "candidate",
+                            baseline="linear.gdn.torch", gates=("parity",),
+                            impl=Naive("linear.gdn.stateless", keep_state=False)))
+'''
+
+
+@needs_hf
+def test_gdn_parity_suite_accepts_a_correct_route_and_rejects_a_lost_state(
+        pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(gdn_routes=GDN_ROUTES)
+    pytester.syspathinsert()
+    report = pytester.path / "gdn-report.json"
+    result = pytester.runpytest_subprocess(
+        "-p", "gdn_routes", "--pyargs", "dflash_suites.test_parity_gdn", "-m", "parity",
+        "--dflash-route", "linear.gdn.naive", "--dflash-route", "linear.gdn.stateless",
+        "--dflash-profile", "quick", "--dflash-report", str(report), "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
+    routes = json.loads(report.read_text())["routes"]
+    assert routes["linear.gdn.naive"]["verdict"] == "accept"
+    assert routes["linear.gdn.stateless"]["verdict"] == "reject"
+    naive = routes["linear.gdn.naive"]["gates"]["parity"]["tests"]
+    lost = {t["nodeid"].split("::")[1].split("[")[0]: t
+            for t in routes["linear.gdn.stateless"]["gates"]["parity"]["tests"]}
+    assert lost["test_gdn_state_carried_across_a_seam"]["outcome"] == "failed"
+    assert lost["test_gdn_gated_norm_parity"]["outcome"] == "passed"
+    chunk = next(t for t in naive if "test_gdn_chunk_parity" in t["nodeid"])
+    figures = chunk["measurements"]
+    assert figures["fla_anchor"] == 0.005 and figures["fla_ratio_worst"] < 1e-5
+    assert set(figures["fla_ratio"]) == set(figures["our_bound"])
+
+
+def test_the_self_test_plants_gated_delta_rule_defects_that_change_the_result() -> None:
+    from dflash_suites.support.gdn import make_inputs
+    from pytest_dflash.measure.numerics import check_parity
+    from pytest_dflash.policy.thresholds import Policy
+    from pytest_dflash.selftest.catalogue import Planted, plan
+    from pytest_dflash.selftest.wrappers import as_route, implementation_for
+
+    registry = hf_registry()
+    fla_chunk = registry.get("linear.gdn.fla_chunk")
+    planned = {p.key: p for p in plan([fla_chunk], registry, Policy())}
+    assert set(planned) == {"copy", "state_not_carried", "qk_l2norm_dropped"}
+    for key in ("state_not_carried", "qk_l2norm_dropped"):
+        route = as_route(planned[key], registry, Policy())
+        assert route.gates == ("parity", "ppl")
+        assert route.probe == fla_chunk.probe  # pending where the route itself is
+    # the defects planted on a route that runs here (the torch baseline as the served code)
+    torch_route = registry.get("linear.gdn.torch")
+    oracle = registry.get("linear.gdn.oracle").implementation()
+    inputs = make_inputs(100, seed=7, dtype=torch.float32, device=torch.device("cpu"))
+    args = [inputs[k] for k in ("q", "k", "v", "g", "beta", "initial_state")]
+    want = oracle.chunk(*args, True, True)
+    for key, defect in (("copy", None), *((k, planned[k].defect) for k in
+                                          ("state_not_carried", "qk_l2norm_dropped"))):
+        planted = Planted(f"linear.gdn.torch~{key}", fla_chunk, torch_route, defect)
+        impl = implementation_for(planted, registry, Policy()) if defect else torch_route.impl
+        impl = impl if not isinstance(impl, str) else torch_route.implementation()
+        out, _ = impl.chunk(*args, True, True)
+        ok = check_parity(out, want[0], None, policy=Policy(), dtype="float32", label=key).ok
+        assert ok == (defect is None), key
+
+
+@needs_hf
+def test_a_prefill_route_leaves_the_verify_path_as_it_was(pytester: pytest.Pytester) -> None:
+    """The engine validation-cost gate on the transformers engine: a gated-delta-rule route
+    serving prefill chunks only (as fla_chunk does) runs the same kernels in verify steps of
+    M = 1..8 as the baseline, the gated norms included."""
+    pytester.makepyfile(gdn_routes=GDN_ROUTES)
+    pytester.syspathinsert()
+    report = pytester.path / "gdn-report.json"
+    result = pytester.runpytest_subprocess(
+        "-p", "gdn_routes", "--pyargs", "dflash_suites.test_validation_cost_engine",
+        "--dflash-engine", "hf", "--dflash-route", "linear.gdn.naive_prefill",
+        "--dflash-profile", "quick", "--dflash-report", str(report), "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
+    route = json.loads(report.read_text())["routes"]["linear.gdn.naive_prefill"]
+    assert route["verdict"] == "accept"
+    (test,) = route["gates"]["validation_cost"]["tests"]
+    hits = test["measurements"]["route_hits"]
+    assert hits["m1"]["linear.gdn.naive_prefill/recurrent_dispatch"] > 0
+    assert hits["m4"]["linear.gdn.naive_prefill/chunk_dispatch"] > 0
+    assert hits["m4"]["linear.gdn.torch/gated_norm"] > 0
