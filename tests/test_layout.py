@@ -23,7 +23,7 @@ METRIC_SCRIPTS = ("metrics/pass_at_k", "metrics/perplexity")
 # the documented direction, lowest first: a package may import its own layer's packages (without
 # a circle) and the layers below, never one above. "" is the package API (pytest_dflash/__init__).
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"routes", "policy", "native", "sandbox"}),
+    frozenset({"routes", "policy", "native", "sandbox", "library"}),
     frozenset({"measure", "engines", "metrics"}),
     frozenset({"evidence", "settings"}),
     frozenset({"session", "selftest", "xdist"}),

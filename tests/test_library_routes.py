@@ -131,10 +131,10 @@ def _model():
 
 @needs_hf
 def test_the_switch_swaps_transformers_dispatch_point_and_puts_it_back() -> None:
+    from pytest_dflash.engines.transformers_library import GdnSwitch
     from pytest_dflash.library import gdn
-    from pytest_dflash.library.hf_switch import (
+    from pytest_dflash.library.dispatch_points import (
         DISPATCH,
-        GdnSwitch,
         dispatch_target,
         modelling_module,
         torch_fallbacks,
@@ -202,7 +202,7 @@ def test_liger_reaches_one_model_and_leaves_transformers_classes_alone() -> None
         pytest.skip("liger-kernel not installed: pip install 'pytest-dflash[gpu-routes]'")
     from pytest_dflash.engines import EngineUnsupported
     from pytest_dflash.engines import transformers as hf
-    from pytest_dflash.library.hf_switch import apply_liger, modelling_module
+    from pytest_dflash.engines.transformers_library import apply_liger, modelling_module
 
     module = modelling_module()
     classes = dict(vars(module))

@@ -34,7 +34,8 @@ its modelling code:
   chunks through the cache (:mod:`pytest_dflash.engines.transformers_cache`);
 - ``linear.gdn`` and ``norm_mlp`` (the kernel libraries' families): the gated delta rule at
   transformers' own gated-DeltaNet dispatch point while this engine runs, the gated norm and
-  Liger's RMSNorm as patched modules of this model (:mod:`pytest_dflash.library.hf_switch`).
+  Liger's RMSNorm as patched modules of this model
+  (:mod:`pytest_dflash.engines.transformers_library`).
 
 The ``prefill.geometry.hf_*`` routes (registered only while this engine is selected:
 :data:`ROUTES`) switch further transformers settings: attention implementation (eager against
@@ -439,8 +440,8 @@ class TransformersEngine:
     def _switch_libraries(self, selection: Mapping[str, str], registry: RouteRegistry) -> None:
         """The library families' routes inside this model: ``linear.gdn`` at transformers'
         gated-DeltaNet dispatch points while this engine runs, ``norm_mlp`` through Liger's
-        patch of this model's modules (``pytest_dflash.library.hf_switch``)."""
-        from pytest_dflash.library.hf_switch import GdnSwitch, apply_liger
+        patch of this model's modules (``pytest_dflash.engines.transformers_library``)."""
+        from pytest_dflash.engines.transformers_library import GdnSwitch, apply_liger
         from pytest_dflash.library.norm_mlp import liger_parts
 
         self.gdn: Any = None

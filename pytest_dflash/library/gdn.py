@@ -5,7 +5,7 @@ the gated RMSNorm after it (contract ``pytest_dflash.routes.families.GatedDeltaR
   compare against), one token at a time;
 - ``linear.gdn.torch`` (baseline): the torch code transformers' Qwen3.5 modelling falls back to
   without flash-linear-attention, taken from transformers' own dispatch point
-  (:func:`pytest_dflash.library.hf_switch.torch_fallbacks`), and its ``Qwen3_5RMSNormGated``;
+  (:func:`pytest_dflash.library.dispatch_points.torch_fallbacks`), and its ``Qwen3_5RMSNormGated``;
 - ``linear.gdn.fla_chunk``: fla's ``chunk_gated_delta_rule`` for prefill chunks of more than
   :data:`MAX_VERIFY_ROWS` tokens; verify blocks (M <= 8) and single-token steps stay on the
   baseline, so it must leave the verify path as it was (validation_cost);
@@ -155,21 +155,21 @@ class TorchGdn(GdnRoute):
     route = f"{FAMILY}.torch"
 
     def _chunk(self, q, k, v, g, beta, initial_state, output_final_state, l2norm):
-        from pytest_dflash.library.hf_switch import torch_fallbacks
+        from pytest_dflash.library.dispatch_points import torch_fallbacks
 
         return torch_fallbacks().chunk(q, k, v, g=g, beta=beta, initial_state=initial_state,
                                        output_final_state=output_final_state,
                                        use_qk_l2norm_in_kernel=l2norm)
 
     def _recurrent(self, q, k, v, g, beta, initial_state, output_final_state, l2norm):
-        from pytest_dflash.library.hf_switch import torch_fallbacks
+        from pytest_dflash.library.dispatch_points import torch_fallbacks
 
         return torch_fallbacks().recurrent(q, k, v, g=g, beta=beta, initial_state=initial_state,
                                            output_final_state=output_final_state,
                                            use_qk_l2norm_in_kernel=l2norm)
 
     def _gated_norm(self, x, gate, weight, eps):
-        from pytest_dflash.library.hf_switch import torch_fallbacks
+        from pytest_dflash.library.dispatch_points import torch_fallbacks
 
         norm = SimpleNamespace(weight=weight, variance_epsilon=eps, activation="silu")
         return torch_fallbacks().gated_norm(norm, x, gate)

@@ -10,8 +10,8 @@ MLP (contract ``pytest_dflash.routes.families.NormMlp``), served by Liger's Trit
 - ``norm_mlp.liger_swiglu``: ``LigerSiLUMulFunction``, the activation of Liger's SwiGLU MLP.
 
 ``liger`` says which parts of ``apply_liger_kernel_to_qwen3_5`` a route switches on in a model
-(``pytest_dflash.library.hf_switch.apply_liger``). Every call records a hit under the route
-that served it.
+(``pytest_dflash.engines.transformers_library.apply_liger``). Every call records a hit under the
+route that served it.
 """
 
 from __future__ import annotations

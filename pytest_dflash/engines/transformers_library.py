@@ -1,17 +1,13 @@
 """Switching library routes into a transformers model where the modelling code dispatches.
 
-**Gated DeltaNet (family ``linear.gdn``).** transformers (5.15 and later) decorates Qwen3.5's
-``torch_chunk_gated_delta_rule`` and ``torch_recurrent_gated_delta_rule`` with
-``use_kernel_func_from_hub_with_fallback``: at import time it binds flash-linear-attention's
-kernel when fla can be imported, and keeps the torch code as the wrapper's ``__wrapped__``. The
-layer calls the module-level name, so that name is the dispatch point. With the ``kernels``
-package installed the name holds a ``Func`` module whose ``forward`` calls the same wrapper.
-:class:`GdnSwitch` puts the selected route's ops at those names while its engine runs (and puts
-back exactly what was there afterwards), so two engines of one process (baseline and
-candidate) each run their own route, and the baseline runs the torch code even where fla is
-installed. Each call is counted on the calling layer (``layer{i}:chunk:m>8`` ...) under the route
-whose own code served it. Each layer's gated ``norm`` is swapped for :class:`RouteGatedNorm`
-(per model), which calls the route's ``gated_norm`` with the layer's weight.
+**Gated DeltaNet (family ``linear.gdn``).** The layers call transformers' dispatch points
+(``pytest_dflash.library.dispatch_points``). :class:`GdnSwitch` puts the selected route's ops at
+those names while its engine runs (and puts back exactly what was there afterwards), so two
+engines of one process (baseline and candidate) each run their own route, and the baseline runs
+the torch code even where fla is installed. Each call is counted on the calling layer
+(``layer{i}:chunk:m>8`` ...) under the route whose own code served it. Each layer's gated
+``norm`` is swapped for :class:`RouteGatedNorm` (per model), which calls the route's
+``gated_norm`` with the layer's weight.
 
 **Liger (family ``norm_mlp``).** :func:`apply_liger` runs ``apply_liger_kernel_to_qwen3_5`` on
 one model instance and then restores the module-level classes it also replaces, so models built
@@ -20,70 +16,28 @@ later (the baseline's) keep transformers' own; each patched norm counts its call
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 from pytest_dflash.engines import EngineError, EngineUnsupported
-
-MODELLING = "transformers.models.qwen3_5.modeling_qwen3_5"
-DISPATCH = {"chunk": "torch_chunk_gated_delta_rule",
-            "recurrent": "torch_recurrent_gated_delta_rule"}
-MAX_VERIFY_ROWS = 8
+from pytest_dflash.library.dispatch_points import (
+    DISPATCH,
+    MAX_VERIFY_ROWS,
+    NoModellingCode,
+    torch_fallbacks,
+)
+from pytest_dflash.library.dispatch_points import modelling_module as _modelling_module
 
 
 def modelling_module() -> ModuleType:
     """transformers' Qwen3.5 modelling module, or EngineUnsupported naming the fix."""
-    import importlib
-
     try:
-        return importlib.import_module(MODELLING)
-    except ImportError as exc:
-        raise EngineUnsupported(
-            f"transformers has no Qwen3.5 modelling code ({exc}); family linear.gdn needs "
-            "transformers >= 5.15: pip install -U 'pytest-dflash[hf]'") from None
-
-
-def dispatcher_of(point: Any) -> Callable[..., Any]:
-    """transformers' dispatch function behind a dispatch point: the point itself, or the
-    function a ``kernels`` ``Func`` module calls (the ``func`` of its ``forward``'s closure)."""
-    forward = getattr(type(point), "forward", None)
-    inner = _closure(forward, "func") if forward is not None else None
-    return inner if inner is not None else point
-
-
-def _closure(function: Callable[..., Any], name: str) -> Any:
-    code = getattr(function, "__code__", None)
-    if code is None or name not in code.co_freevars or not function.__closure__:
-        return None
-    return function.__closure__[code.co_freevars.index(name)].cell_contents
-
-
-def dispatch_target(point: Any) -> dict[str, Any]:
-    """What transformers' dispatch point does by default: ``fallback`` (the torch code, the
-    wrapper's ``__wrapped__``), ``implementation`` (what it bound at import: fla's kernel when
-    fla imported, else the torch code) and ``library`` (whether that is a library's)."""
-    point = getattr(point, "__dflash_original__", point)  # a switch installed now: the original
-    dispatcher = dispatcher_of(point)
-    fallback = getattr(dispatcher, "__wrapped__", dispatcher)
-    bound = _closure(dispatcher, "implementation")
-    implementation = bound if bound is not None else fallback
-    return {"dispatcher": dispatcher, "fallback": fallback, "implementation": implementation,
-            "library": implementation is not fallback}
-
-
-@functools.lru_cache(maxsize=1)
-def torch_fallbacks() -> SimpleNamespace:
-    """The torch code transformers' Qwen3.5 runs without flash-linear-attention: ``chunk`` and
-    ``recurrent`` (the dispatch points' ``__wrapped__``) and ``gated_norm`` (the unbound
-    ``Qwen3_5RMSNormGated.forward``)."""
-    module = modelling_module()
-    ops = {op: dispatch_target(getattr(module, name))["fallback"]
-           for op, name in DISPATCH.items()}
-    return SimpleNamespace(**ops, gated_norm=module.Qwen3_5RMSNormGated.forward)
+        return _modelling_module()
+    except NoModellingCode as exc:
+        raise EngineUnsupported(str(exc)) from None
 
 
 def _module_base() -> type:
@@ -149,7 +103,10 @@ class GdnSwitch:
         for layer in self.layers:
             layer.norm = RouteGatedNorm(layer.norm, route_name, impl,
                                         getattr(layer, "layer_idx", "?"), baseline)
-        torch_fallbacks()  # resolved before any switch is installed
+        try:
+            torch_fallbacks()  # resolved before any switch is installed
+        except NoModellingCode as exc:
+            raise EngineUnsupported(str(exc)) from None
         self._ops = {name: self._dispatch(op) for op, name in DISPATCH.items()}
 
     def _dispatch(self, op: str) -> Callable[..., Any]:
