@@ -9,7 +9,13 @@ import registers torch's ``c10d_functional`` op library, which a second import r
 second inline run that scores perplexity would end in a harness error.
 
 ``real_runs`` runs real gates once per session; the readers of a report (plot, JUnit, diff,
-summaries, merge) are tested on the files they wrote.
+summaries, merge) are tested on the files they wrote. Under pytest-xdist (``pytest tests -n
+auto``) the first worker that needs such a run makes it, under a file lock, and every other
+worker reads the same files.
+
+Under xdist every test still sees the environment of a run without it: the plugin refuses timing
+gates in a process that has ``PYTEST_XDIST_WORKER`` (they must never share the device), and the
+gate sessions these tests start, in process or as children, are sessions of their own.
 """
 
 from __future__ import annotations
@@ -29,6 +35,78 @@ import torch  # noqa: F401
 with contextlib.suppress(ImportError):  # the test extra; `pip install -e .` alone lacks it
     import httpcore  # noqa: F401  (httpx imports it lazily, inside the first client)
     import httpx  # noqa: F401
+
+
+# ------------------------------------------------------------------ xdist
+
+XDIST_VARIABLES = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment without the variables by which xdist marks its workers: the
+    environment of a pytest session a test starts."""
+    return {k: v for k, v in os.environ.items() if k not in XDIST_VARIABLES}
+
+
+@pytest.fixture(autouse=True)
+def _outside_xdist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test runs as in a session without xdist (see the module's docstring); a test of the
+    plugin under xdist starts its own workers (``runpytest_subprocess("-n", "2")``)."""
+    for name in XDIST_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "idle_cores: the test asserts a timing decision; under xdist no other test "
+        "runs while it does (the other workers wait)")
+
+
+def _xdist_base(config: pytest.Config) -> Path:
+    """The folder this test run's processes share (the workers' basetemps are its children)."""
+    base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    return base.parent if hasattr(config, "workerinput") else base
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Under xdist a test marked ``idle_cores`` runs alone: it holds an exclusive lock that every
+    other test takes shared. A waiting exclusive test holds the turnstile, so the other workers
+    start no new test meanwhile (a writer-preferring lock out of two flock files)."""
+    if not hasattr(item.config, "workerinput"):
+        return (yield)
+    import fcntl
+
+    base = _xdist_base(item.config)
+    exclusive = item.get_closest_marker("idle_cores") is not None
+    with open(base / "idle-cores.turnstile", "a") as turnstile, \
+            open(base / "idle-cores.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if not exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def shared_once(request: pytest.FixtureRequest, name: str):
+    """A folder for data made once per test run, whatever the number of xdist workers: yields
+    ``(folder, made)``; when ``made`` is False the caller makes the data in ``folder`` while it
+    holds the lock, and it is marked made only when that succeeds."""
+    from filelock import FileLock
+
+    base = _xdist_base(request.config)
+    folder, done = base / name, base / f"{name}.done"
+    with FileLock(str(base / f"{name}.lock"), timeout=1800):
+        made = done.exists()
+        folder.mkdir(exist_ok=True)
+        yield folder, made
+        done.touch()
 
 
 # ------------------------------------------------------------------ reports of real gate runs
@@ -61,31 +139,31 @@ def _pytest_in(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
                str(ROOT / "pyproject.toml"), "-p", "no:cacheprovider", "-q", *args,
                str(ROOT / "suites")]
     return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=1200,
-                          env=dict(os.environ))
+                          env=child_env())
 
 
 @pytest.fixture(scope="session")
-def real_runs(tmp_path_factory: pytest.TempPathFactory) -> RealRuns:
-    """Real gates run once per test session (a few minutes on a 2-core CPU): a change of the
-    report's shape reaches every test built on these files."""
-    folder = tmp_path_factory.mktemp("real-runs")
-    shards, junit = [], []
-    for k in (1, 2, 3):
-        here = folder / f"host{k}"
-        report, xml = here / f"s{k}.json", here / f"s{k}.xml"
-        # 2 rounds a process in the report (evidence.compact): every reader meets a sample
-        done = _pytest_in(here, *REAL_SELECTION, f"--dflash-shard={k}/3",
-                          "--dflash-report-rounds=2",
-                          f"--dflash-report={report}", f"--junitxml={xml}")
-        assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
-        shards.append(report)
-        junit.append(xml)
-    unsharded = folder / "one" / "one.json"
-    done = _pytest_in(unsharded.parent, "-m", "sm70 and (loader or parity)",
-                      *REAL_SELECTION[2:], f"--dflash-report={unsharded}")
-    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
-    merged = folder / "all.json"
-    done = subprocess.run([sys.executable, "-m", "pytest_dflash.cli", "merge", str(merged),
-                           *map(str, shards)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return RealRuns(folder, tuple(shards), tuple(junit), merged, unsharded)
+def real_runs(request: pytest.FixtureRequest) -> RealRuns:
+    """Real gates run once per test run (a few minutes on a 2-core CPU), shared by the xdist
+    workers: a change of the report's shape reaches every test built on these files. The
+    readers only read them; a test that edits one edits a copy in its own tmp_path."""
+    with shared_once(request, "real-runs") as (folder, made):
+        shards = tuple(folder / f"host{k}" / f"s{k}.json" for k in (1, 2, 3))
+        junit = tuple(p.with_suffix(".xml") for p in shards)
+        unsharded, merged = folder / "one" / "one.json", folder / "all.json"
+        if not made:
+            for k, report, xml in zip((1, 2, 3), shards, junit, strict=True):
+                # 2 rounds a process in the report (evidence.compact): every reader meets
+                # a sample
+                done = _pytest_in(report.parent, *REAL_SELECTION, f"--dflash-shard={k}/3",
+                                  "--dflash-report-rounds=2",
+                                  f"--dflash-report={report}", f"--junitxml={xml}")
+                assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+            done = _pytest_in(unsharded.parent, "-m", "sm70 and (loader or parity)",
+                              *REAL_SELECTION[2:], f"--dflash-report={unsharded}")
+            assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+            done = subprocess.run([sys.executable, "-m", "pytest_dflash.cli", "merge",
+                                   str(merged), *map(str, shards)], capture_output=True,
+                                  text=True, timeout=120, env=child_env())
+            assert done.returncode == 0, done.stderr
+    return RealRuns(folder, shards, junit, merged, unsharded)

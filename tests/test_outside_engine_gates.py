@@ -107,6 +107,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.idle_cores  # validation_cost must pass the unchanged verify path
 def test_outside_routes_face_every_gate_and_each_defect_is_caught(
         pytester: pytest.Pytester) -> None:
     from pytest_dflash.engines.data import LONG_FILE, PPL_FILE, TASKS_FILE, data_dir

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import timing_sizes
 
 from pytest_dflash.metrics.seam_bands import (
     agreement_positions,
@@ -173,10 +174,9 @@ DISAGREES = "after the same cold prefill as"
 def test_seam_defects_are_caught_and_a_correct_route_passes(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(seam_routes=PLUGIN)
     pytester.syspathinsert()
-    # two timing rounds: only the agreement check (before the timing) is asserted here
-    pytester.makepyprojecttoml(
-        "[tool.pytest-dflash]\nspeed_rounds = 2\nspeed_max_rounds = 2\nspeed_warmup = 0\n"
-    )
+    # the smallest timing (timing_sizes): only the agreement check, which runs before the
+    # timing, is asserted here
+    pytester.makepyprojecttoml(timing_sizes.pyproject())
     report = pytester.path / "seam-report.json"
     selected = [arg for name in EXPECTED for arg in ("--dflash-route", name)]
     result = pytester.runpytest(

@@ -16,6 +16,10 @@ import json
 import pytest
 from benchmark_scripts import script
 
+# the planted timing defects must be caught and a clear gain passed: no other test runs beside
+# these under xdist
+pytestmark = pytest.mark.idle_cores
+
 QUICK = ("--pyargs", "dflash_suites", "--dflash-profile", "quick", "--dflash-selftest",
          "-p", "no:cacheprovider")
 

@@ -110,6 +110,7 @@ def _report(pytester: pytest.Pytester) -> dict:
     return json.loads((pytester.path / "dflash-report.json").read_text())
 
 
+@pytest.mark.idle_cores  # the planted 2x must be decided on 3 processes
 def test_a_gate_timed_in_worker_processes_decides_across_them(toy: pytest.Pytester) -> None:
     toy.makepyfile(test_gates=GATES)
     result = toy.runpytest_subprocess("-m", "sm70", *ROUTE)
