@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         procs, timed, kept = rounds(report)
         size = forms(report)
         rows.append([label, report.get("profile"), report["device"].get("name"),
-                     path.stat().st_size, size["whole"], size["compact"], size["gzip"],
+                     path.stat().st_size, "" if size["whole"] is None else size["whole"],
+                     size["compact"], size["gzip"],
                      procs, timed, kept])
     result = {
         "schema": "pytest-dflash/benchmark/1", "kind": "measured", "topic": "reports",
