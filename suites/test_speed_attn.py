@@ -30,9 +30,24 @@ def test_attn_speed_cold_prefill(dflash_gate, size):
     from pytest_dflash.measure.timing_pool import TimingJob
 
     pair = SpeedPair(dflash_gate, size)
-    # what is timed must compute the baseline's result; checked first, in this process, so a
-    # route that cannot run the shape here says so (a skip) before any worker times it
-    pair.check_output(dflash_gate.policy)
+    name, base = dflash_gate.route.name, dflash_gate.baseline_route.name
+    # what is timed must be the candidate computing the baseline's result; checked first, in
+    # this process, so a route that cannot run the shape here says so (a skip) before any
+    # worker times it. A silent fallback is named by its hits before its output is judged.
+    with hits.counting() as checked:
+        try:
+            pair.check_output(dflash_gate.policy)
+            wrong = None
+        except AssertionError as exc:
+            wrong = exc
+    served = checked.by_route()
+    if not served.get(name) or set(served) - {name, base}:
+        raise AssertionError(
+            f"{pair.label}: route hits {checked.as_json()} do not match the timed calls "
+            f"(one call of each side, before timing): the candidate must have served every "
+            "candidate call, and nothing else may have run")
+    if wrong is not None:
+        raise wrong
     job = TimingJob("dflash_suites.support.attn:speed_pair",
                     {"route": dflash_gate.route.name, "t": size})
     measured: dict = {}
@@ -43,7 +58,6 @@ def test_attn_speed_cold_prefill(dflash_gate, size):
                        job=job, timing=dflash_gate.timing)
     finally:  # the hits are known once the block has exited
         dflash_gate.record(**measured, route_hits=delta.as_json(), shape=pair.label)
-    name, base = dflash_gate.route.name, dflash_gate.baseline_route.name
     ran = delta.by_route()
     if "processes" in measured:  # timed in workers: exactly the timed calls, both sides
         timed = sum(p["info"]["timed_calls"] for p in measured["processes"])
