@@ -153,10 +153,10 @@ def real_runs(request: pytest.FixtureRequest) -> RealRuns:
         unsharded, merged = folder / "one" / "one.json", folder / "all.json"
         if not made:
             for k, report, xml in zip((1, 2, 3), shards, junit, strict=True):
-                # 2 rounds a process in the report (evidence.compact): every reader meets
+                # 3 rounds a process in the report (evidence.compact): every reader meets
                 # a sample
                 done = _pytest_in(report.parent, *REAL_SELECTION, f"--dflash-shard={k}/3",
-                                  "--dflash-report-rounds=2",
+                                  "--dflash-report-rounds=3",
                                   f"--dflash-report={report}", f"--junitxml={xml}")
                 assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
             done = _pytest_in(unsharded.parent, "-m", "sm70 and (loader or parity)",

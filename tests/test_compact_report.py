@@ -1,7 +1,7 @@
 """The report's compact form (``pytest_dflash.evidence.compact``): each timing process keeps its
 summary of every round and a bounded, evenly spaced sample of its rounds; reports are compact
 JSON, or gzip for a ``.json.gz`` path. The readers are tested on reports real runs wrote
-(``real_runs`` in conftest.py, whose shards keep 2 rounds a process)."""
+(``real_runs`` in conftest.py, whose shards keep 3 rounds a process)."""
 
 from __future__ import annotations
 
@@ -153,11 +153,12 @@ def test_a_real_run_keeps_the_sample_and_the_summary(real_runs) -> None:
         for _, series in timings.comparisons(test["measurements"]):
             assert timings.protocol(series) == timings.PROCESS
             for proc in series["processes"]:
-                assert len(proc["samples"]["candidate"]) == 2  # the first and the last round
+                assert len(proc["samples"]["candidate"]) == 3  # first, middle and last round
                 assert proc["summary"]["count"] == proc["rounds"]
                 assert proc["summary"]["ratio"]["iqm"] == pytest.approx(proc["ratio"])
                 # every process times at least 4 rounds (timing_min_rounds_per_process)
-                assert proc["sampled"] == {"rounds": [0, proc["rounds"] - 1],
+                assert proc["sampled"] == {"rounds": [0, round((proc["rounds"] - 1) / 2),
+                                                      proc["rounds"] - 1],
                                            "of": proc["rounds"]}
 
 
@@ -215,7 +216,7 @@ def test_the_size_script_reads_real_reports(real_runs, tmp_path: Path) -> None:
     report = reports.load(real_runs.merged)
     series = [s for t in _timing_tests(report) for _, s in timings.comparisons(t["measurements"])]
     assert procs == sum(len(s["processes"]) for s in series) > 0
-    assert timed == sum(p["rounds"] for s in series for p in s["processes"]) and kept == 2 * procs
+    assert timed == sum(p["rounds"] for s in series for p in s["processes"]) and kept == 3 * procs
 
 
 def test_the_size_script_compares_every_round_with_the_compact_form(tmp_path: Path) -> None:
