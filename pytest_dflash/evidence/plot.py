@@ -122,8 +122,9 @@ def _draw_rounds(ax: Any, s: Mapping[str, Any]) -> None:
 
 
 def _draw_processes(ax: Any, s: Mapping[str, Any]) -> None:
-    """Process protocol: each worker's rounds as a strip at its x, its statistic (the ratio the
-    interval is computed from) as a diamond, and a line after each look's processes."""
+    """Process protocol: each worker's kept rounds as a strip at its x with a bar over the
+    middle half of all its rounds, its statistic (the ratio the interval is computed from) as a
+    diamond, and a line after each look's processes."""
     import numpy as np
 
     procs = timings.processes(s)
@@ -133,6 +134,10 @@ def _draw_processes(ax: Any, s: Mapping[str, Any]) -> None:
                          s["threshold"], 1.0) if _number(v)]
     low, high = _limits(stats + lines, every)
     for i, proc in enumerate(procs):
+        if proc["quartiles"] is not None:  # the middle half of every round, not only the kept
+            q1, q3 = np.clip(proc["quartiles"], low, high)
+            ax.vlines(proc["index"], q1, q3, color=STRIP_COLOR, lw=2.5, zorder=2,
+                      label="middle half of its rounds" if i == 0 else None)
         rounds = np.asarray(proc["rounds"], dtype=float)
         if rounds.size == 0:
             continue

@@ -69,7 +69,9 @@ def ratios(samples: Mapping[str, Any]) -> list[float]:
 
 def processes(series: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Per worker process of a process-protocol comparison: its index, worker, ratio (the
-    process statistic, exponentiated) and its rounds' ratios. Empty for the round protocol."""
+    process statistic, exponentiated), the ratios of the rounds the report keeps, and the
+    quartiles (q1, q3) of every round's ratio where the report has its summary
+    (``evidence.compact``). Empty for the round protocol."""
     if protocol(series) != PROCESS:
         return []
     out = []
@@ -78,8 +80,12 @@ def processes(series: Mapping[str, Any]) -> list[dict[str, Any]]:
         ratio = proc.get("ratio")
         if not _number(ratio) and _number(proc.get("statistic")):
             ratio = math.exp(proc["statistic"])
+        summary = (proc.get("summary") or {}).get("ratio") or {}
+        quartiles = ((float(summary["q1"]), float(summary["q3"]))
+                     if _number(summary.get("q1")) and _number(summary.get("q3")) else None)
         out.append({"index": index, "worker": proc.get("worker"), "pid": proc.get("pid"),
-                    "ratio": float(ratio) if _number(ratio) else None, "rounds": rounds})
+                    "ratio": float(ratio) if _number(ratio) else None, "rounds": rounds,
+                    "quartiles": quartiles})
     return out
 
 
