@@ -1,0 +1,250 @@
+"""Result files from the reports of a GPU job (``benchmarks/gpu_job.sh``).
+
+The job leaves, in one folder, ``env.json`` (card, driver, torch, CUDA, library versions),
+``stages.log`` (each stage's exit status and wall seconds) and the reports it wrote. This turns
+them into result files under ``benchmarks/results/`` (schema in ``benchmarks/render.py``), each
+naming the card, torch, CUDA and the commit the job ran:
+
+    python benchmarks/gpu_results.py FOLDER --commit abc1234 [--date 2026-12-06]
+
+* ``<card>-main-job-full.json``: the full-profile main job, one row per route and gate
+  (status, seconds, figure), with the test seconds and the report's size in ``about``;
+* ``<card>-transformers-engine.json``: every route of ``--dflash-engine hf`` (the shipped
+  candidates and the kernel libraries' routes inside the Qwen3.5 hybrid), one row per gate;
+* ``<card>-library-routes.json``: the kernel libraries' routes alone, one row per route with
+  its verdict and each gate's figure (docs/library-routes.md);
+* ``<card>-selftest-quick.json``: the quick self-test's catch table and its seconds;
+* ``<card>-timing-aa.json``: the A/A and planted-slowdown counts of every ``aa*.run*.json``.
+
+A stage whose report is missing writes no file; the script says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pytest_dflash.evidence import catch  # noqa: E402
+from pytest_dflash.evidence import report as reports  # noqa: E402
+from pytest_dflash.evidence.verdict import gate_figure, gate_status  # noqa: E402
+from pytest_dflash.routes.library import CANDIDATES  # noqa: E402
+from pytest_dflash.selftest import repeat  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+SCHEMA = "pytest-dflash/benchmark/1"
+
+
+def card_slug(card: str) -> str:
+    """"NVIDIA H100 80GB HBM3" -> "h100": the result files' prefix."""
+    found = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", card)
+    return found.group(1).lower() if found else re.sub(r"\W+", "-", card.lower()).strip("-")
+
+
+def stages(folder: Path) -> dict[str, dict[str, float]]:
+    """``{stage: {"rc": int, "seconds": float}}`` from stages.log (the last line of a stage)."""
+    out: dict[str, dict[str, float]] = {}
+    log = folder / "stages.log"
+    for line in log.read_text().splitlines() if log.exists() else []:
+        m = re.match(r"(\w+) rc=(\d+) seconds=([\d.]+)", line)
+        if m:
+            out[m.group(1)] = {"rc": int(m.group(2)), "seconds": float(m.group(3))}
+    return out
+
+
+def header(env: Mapping[str, Any], *, topic: str, title: str, about: str, command: str,
+           commit: str, date: str) -> dict[str, Any]:
+    libs = ", ".join(f"{k} {env[k]}" for k in ("transformers", "triton", "fla", "liger_kernel")
+                     if k in env and not str(env[k]).startswith("not importable"))
+    return {"schema": SCHEMA, "kind": "measured", "topic": topic, "title": title,
+            "about": about,
+            "machine": f"one {env['card']} (capability {env['capability']}), driver "
+                       f"{env.get('driver', '?')}, {env.get('cpus', '?')} CPU cores"
+                       + (f"; {libs}" if libs else ""),
+            "python": env["python"], "torch": env["torch"], "cuda": env["cuda"],
+            "commit": commit, "date": date, "command": command}
+
+
+def gate_rows(report: Mapping[str, Any], routes: list[str] | None = None) -> list[list[Any]]:
+    """route, gate, status, seconds (its tests' duration), figure: one row per required gate."""
+    rows = []
+    for name, entry in sorted(report["routes"].items()):
+        if routes is not None and name not in routes:
+            continue
+        if entry.get("planted") or entry.get("role") != "candidate":
+            continue
+        for kind in entry.get("required", []):
+            gate = entry.get("gates", {}).get(kind) or {}
+            tests = gate.get("tests", [])
+            seconds = round(sum(t.get("duration_s") or 0 for t in tests), 1)
+            status = gate_status(tests) if tests else "pending"
+            figure = gate_figure(tests) if tests else "did not run"
+            rows.append([name, kind, status, seconds, figure])
+    return rows
+
+
+def verdict_rows(report: Mapping[str, Any], routes: list[str]) -> list[list[Any]]:
+    """route, verdict, then each gate as 'status: figure' (library routes' page)."""
+    rows = []
+    for name in routes:
+        entry = report["routes"].get(name)
+        if entry is None:
+            rows.append([name, "not registered", ""])
+            continue
+        parts = []
+        for kind in entry.get("required", []):
+            tests = (entry.get("gates", {}).get(kind) or {}).get("tests", [])
+            status = gate_status(tests) if tests else "pending"
+            parts.append(f"{kind} {status}: {gate_figure(tests, limit=1) if tests else '-'}")
+        rows.append([name, entry.get("verdict", "?"), " | ".join(parts)])
+    return rows
+
+
+def test_seconds(report: Mapping[str, Any]) -> float:
+    return round(sum(t.get("duration_s") or 0 for e in report["routes"].values()
+                     for g in e.get("gates", {}).values() for t in g.get("tests", [])), 1)
+
+
+def write(name: str, data: dict[str, Any]) -> None:
+    path = RESULTS / name
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--commit", required=True)
+    parser.add_argument("--date", default=datetime.date.today().isoformat())
+    args = parser.parse_args(argv)
+    folder: Path = args.folder
+    env = json.loads((folder / "env.json").read_text())
+    slug, walls = card_slug(env["card"]), stages(folder)
+    common = {"commit": args.commit, "date": args.date}
+
+    main_report = folder / "main-full.json"
+    if main_report.exists():
+        rep = reports.load(main_report)
+        size = main_report.stat().st_size
+        wall = walls.get("main", {})
+        counts = {}
+        for e in rep["routes"].values():
+            for g in e.get("gates", {}).values():
+                for t in g.get("tests", []):
+                    counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+        about = (f"The main job on one GPU, full profile: {test_seconds(rep)} s of tests "
+                 f"({wall.get('seconds', '?')} s wall for the whole pytest process, exit "
+                 f"{wall.get('rc', '?')}), outcomes {json.dumps(counts, sort_keys=True)}. Its "
+                 f"report is {size:,} bytes ({size / 2**20:.2f} MiB). Native libraries built "
+                 "beforehand (pytest-dflash build). One row per route and gate: the status, "
+                 "the seconds of its tests and its figure.")
+        write(f"{slug}-main-job-full.json", {
+            **header(env, topic="main job", title=f"Full-profile main job on one {env['card']}",
+                     about=about, command="pytest -m sm70 --dflash-device cuda "
+                     "--dflash-profile full --dflash-report main-full.json", **common),
+            "values": {"columns": ["route", "gate", "status", "seconds", "figure"],
+                       "rows": gate_rows(rep)}})
+    else:
+        print("no main-full.json: main job result not written")
+
+    hf_report = folder / "hf-ci.json"
+    if hf_report.exists():
+        rep = reports.load(hf_report)
+        wall = walls.get("hf", {})
+        about = (f"pytest -m sm70 --dflash-engine hf on the GPU, ci profile, with the "
+                 f"gpu-routes extra: every route registered with the transformers engine "
+                 f"(the shipped candidates and the kernel libraries' routes) inside the tiny "
+                 f"Qwen3.5-architecture hybrid shipped with the package, transformers "
+                 f"{env.get('transformers')}. {test_seconds(rep)} s of tests "
+                 f"({wall.get('seconds', '?')} s wall, exit {wall.get('rc', '?')}).")
+        write(f"{slug}-transformers-engine.json", {
+            **header(env, topic="transformers engine",
+                     title=f"Every route inside the Qwen3.5 hybrid on one {env['card']}",
+                     about=about, command="pytest -m sm70 --dflash-device cuda --dflash-engine "
+                     "hf --dflash-profile ci", **common),
+            "values": {"columns": ["route", "gate", "status", "seconds", "figure"],
+                       "rows": gate_rows(rep)}})
+        names = [route.name for route in CANDIDATES]
+        write(f"{slug}-library-routes.json", {
+            **header(env, topic="kernel libraries",
+                     title=f"Kernel libraries as routes on one {env['card']}",
+                     about="The verdict of each kernel library's route inside the Qwen3.5 "
+                           "hybrid, with each required gate's status and figure (ci profile; "
+                           f"transformers {env.get('transformers')}, fla-core "
+                           f"{env.get('fla')}, liger-kernel {env.get('liger_kernel')}).",
+                     command="pip install 'pytest-dflash[hf,gpu-routes]' && pytest -m sm70 "
+                             "--dflash-device cuda --dflash-engine hf --dflash-profile ci",
+                     **common),
+            "values": {"columns": ["route", "verdict", "gates"],
+                       "rows": verdict_rows(rep, names)}})
+    else:
+        print("no hf-ci.json: transformers engine results not written")
+
+    selftest_report = folder / "selftest-quick.json"
+    if selftest_report.exists():
+        rep = reports.load(selftest_report)
+        section = catch.summarize(rep)
+        wall = walls.get("selftest", {})
+        rows = []
+        for route, kinds in sorted(section["routes"].items()):
+            for kind, s in sorted(kinds.items()):
+                copy = (s.get("copy") or {}).get("status", "-")
+                rows.append([route, kind, s["route_status"], copy,
+                             f"{s['caught']}/{s['planted']}",
+                             ", ".join(s["missed"]) or "-", ", ".join(s["errors"]) or "-"])
+        about = (f"pytest-dflash selftest --run --dflash-profile quick on the GPU: "
+                 f"{test_seconds(rep)} s of tests, {wall.get('seconds', '?')} s wall (exit "
+                 f"{wall.get('rc', '?')}). Per route and gate: the route's own status, its "
+                 "unchanged copy's, and the planted defects caught (failed, or inconclusive "
+                 "for a timing gate), never passed.")
+        write(f"{slug}-selftest-quick.json", {
+            **header(env, topic="self-test", title=f"Quick self-test on one {env['card']}",
+                     about=about, command="pytest-dflash selftest selftest-quick.json --run "
+                     "--dflash-profile quick --dflash-device cuda", **common),
+            "values": {"columns": ["route", "gate", "route status", "unchanged copy",
+                                   "caught", "missed", "errors"], "rows": rows}})
+    else:
+        print("no selftest-quick.json: self-test result not written")
+
+    runs = sorted(folder.glob("aa*.run*.json"))
+    runs = [p for p in runs if not p.name.endswith(".repeat.json")]
+    if runs:
+        section = repeat.tally([reports.load(p) for p in runs])
+        rows = []
+        for route, kinds in sorted(section["routes"].items()):
+            for kind, keys in sorted(kinds.items()):
+                for key in sorted(keys, key=repeat._order):
+                    c = keys[key]
+                    rows.append([route, kind, key, sum(c.values()), c["pass"],
+                                 c["inconclusive"], c["fail"], c["error"] + c["pending"]])
+        write(f"{slug}-timing-aa.json", {
+            **header(env, topic="timing error rates",
+                     title=f"A/A control and planted slowdowns over {len(runs)} runs "
+                           f"(full profile, {env['card']})",
+                     about="pytest-dflash selftest --repeat on gemm.nvfp4.qpn2_packed's "
+                           "op-level validation_cost gate (verify M = 1..8): its unchanged "
+                           "copy (an A/A control) and its verify step slowed by 2% and 5%, "
+                           "each run its own pytest process with its own timing workers, "
+                           "CUDA-graph replays timed with events; a process's statistic is "
+                           "the interquartile mean of its rounds.",
+                     command="pytest-dflash selftest aa.json --repeat 10 --run --dflash-route "
+                             "gemm.nvfp4.qpn2_packed --dflash-device cuda --dflash-profile full "
+                             "-k \"validation_cost_verify_m and (copy or verify_cost_2pct or "
+                             "verify_cost_5pct)\"", **common),
+            "values": {"columns": ["route", "gate", "planted", "runs", "pass", "inconclusive",
+                                   "fail", "other"], "rows": rows}})
+    else:
+        print("no aa*.run*.json: A/A result not written")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
