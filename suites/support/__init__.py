@@ -72,3 +72,63 @@ def check_same_kernels(candidate: str, enabled: hits.HitDelta, disabled: hits.Hi
             f"enabled (own dispatch records aside) {on} vs disabled {disabled.as_json()}"
         )
     return enabled.as_json()
+
+
+def _served(delta: hits.HitDelta, op: str | None) -> dict[Any, int]:
+    """Calls per route (``op`` None) or per (route, op) pair, as the gate counts them."""
+    return delta.by_route() if op is None else dict(delta.counts)
+
+
+def check_one_call_each(pair: Any, dflash_gate: Any, op: str | None = None) -> None:
+    """Before a speed gate times anything: one call of each side, in this process, must compute
+    the baseline's result (``pair.check_output``), and its hits must show the candidate served
+    the candidate's call and nothing but the two routes ran. A silent fallback is named by its
+    hits before its output is judged; a route that cannot run the shape skips before any worker
+    times it."""
+    name, base = dflash_gate.route.name, dflash_gate.baseline_route.name
+    cand, allowed = (name, {name, base}) if op is None else ((name, op), {(name, op), (base, op)})
+    with hits.counting() as checked:
+        try:
+            pair.check_output(dflash_gate.policy)
+            wrong = None
+        except AssertionError as exc:
+            wrong = exc
+    served = _served(checked, op)
+    if not served.get(cand) or set(served) - allowed:
+        raise AssertionError(
+            f"{pair.label}: route hits {checked.as_json()} do not match the timed calls (one "
+            "call of each side, before timing): the candidate must have served every candidate "
+            "call, and nothing else may have run")
+    if wrong is not None:
+        raise wrong
+
+
+def timed_with_hits(pair: Any, dflash_gate: Any, job: Any, op: str | None = None) -> dict:
+    """``speed_gate`` of ``pair`` (its ``candidate``, ``baseline`` and ``label``) through
+    ``job`` in the run's timing workers; the measurements and hits go in the report, and the
+    hits must equal the timed calls, both sides: exactly the candidate's and the baseline's
+    ``op`` (every op when None), nothing else. Returns the measurements."""
+    from pytest_dflash.measure.timing import speed_gate
+
+    name, base = dflash_gate.route.name, dflash_gate.baseline_route.name
+    cand, other = (name, base) if op is None else ((name, op), (base, op))
+    measured: dict = {}
+    try:
+        with hits.counting() as delta:
+            speed_gate(pair.candidate, pair.baseline, policy=dflash_gate.policy,
+                       device=dflash_gate.device, record=measured.update, label=pair.label,
+                       job=job, timing=dflash_gate.timing)
+    finally:  # the hits are known once the block has exited
+        dflash_gate.record(**measured, route_hits=delta.as_json(), shape=pair.label)
+    ran = _served(delta, op)
+    if "processes" in measured:  # timed in workers: exactly the timed calls, both sides
+        timed = sum(p["info"]["timed_calls"] for p in measured["processes"])
+        expected = {cand: timed, other: timed}
+    else:  # timed here (no timing pool): warm-up and calibration calls are counted too
+        expected = {cand: ran.get(cand, 0), other: ran.get(other, 0)}
+    if ran != expected or not ran.get(cand):
+        raise AssertionError(
+            f"{pair.label}: route hits {delta.as_json()} do not match the timed calls "
+            f"{expected}: the candidate must have served every candidate call, and nothing "
+            "else may have run")
+    return measured
