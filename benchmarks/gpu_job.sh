@@ -10,6 +10,8 @@
 # build     build both native variants into $DFLASH_CACHE_DIR (seconds in build.log)
 # hf        pytest -m sm70 --dflash-device cuda --dflash-engine hf (ci profile): the six
 #           shipped candidates and the kernel libraries' routes inside the Qwen3.5 hybrid
+# hfselftest  the self-test of linear.gdn.fla_chunk inside the Qwen3.5 hybrid (quick profile):
+#           its planted defects (state dropped at a chunk seam, q/k L2 norm dropped)
 # selftest  the self-test, quick profile, on cuda
 # main      the main job, full profile, on cuda (--durations=40)
 # aa        the timing calibration self-test 10 times: qpn2_packed's validation_cost A/A copy
@@ -69,6 +71,11 @@ EOF
         timed hf "${HF_LIMIT:-420}" python3 -m pytest -m sm70 --dflash-device cuda \
             --dflash-engine hf --dflash-profile ci -p no:cacheprovider --durations=40 \
             --dflash-report "$WORK/hf-ci.json" ${HF_ARGS:-}
+        ;;
+    hfselftest)
+        timed hfselftest "${HFSELFTEST_LIMIT:-150}" pytest-dflash selftest \
+            "$WORK/hf-selftest.json" --run --dflash-engine hf --dflash-device cuda \
+            --dflash-profile quick --dflash-route linear.gdn.fla_chunk -p no:cacheprovider
         ;;
     selftest)
         timed selftest "${SELFTEST_LIMIT:-300}" pytest-dflash selftest \
