@@ -14,6 +14,7 @@ naming the card, torch, CUDA and the commit the job ran:
 * ``<card>-library-routes.json``: the kernel libraries' routes alone, one row per route with
   its verdict and each gate's figure (docs/library-routes.md);
 * ``<card>-selftest-quick.json``: the quick self-test's catch table and its seconds;
+* ``<card>-hf-selftest.json``: the planted defects of linear.gdn.fla_chunk, caught or not;
 * ``<card>-timing-aa.json``: the A/A and planted-slowdown counts of every ``aa*.run*.json``.
 
 A stage whose report is missing writes no file; the script says which.
@@ -188,31 +189,37 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("no hf-ci.json: transformers engine results not written")
 
-    selftest_report = folder / "selftest-quick.json"
-    if selftest_report.exists():
-        rep = reports.load(selftest_report)
+    for stem, stage, title, command in (
+            ("selftest-quick", "selftest", "Quick self-test",
+             "pytest-dflash selftest selftest-quick.json --run --dflash-profile quick "
+             "--dflash-device cuda"),
+            ("hf-selftest", "hfselftest", "Planted defects of linear.gdn.fla_chunk inside the "
+             "Qwen3.5 hybrid", "pytest-dflash selftest hf-selftest.json --run --dflash-engine hf "
+             "--dflash-device cuda --dflash-profile quick --dflash-route linear.gdn.fla_chunk")):
+        path = folder / f"{stem}.json"
+        if not path.exists():
+            print(f"no {path.name}: its result not written")
+            continue
+        rep = reports.load(path)
         section = catch.summarize(rep)
-        wall = walls.get("selftest", {})
+        wall = walls.get(stage, {})
         rows = []
         for route, kinds in sorted(section["routes"].items()):
             for kind, s in sorted(kinds.items()):
                 copy = (s.get("copy") or {}).get("status", "-")
+                caught = "; ".join(f"{d['key']} {d['status']}" for d in s["defects"]) or "-"
                 rows.append([route, kind, s["route_status"], copy,
-                             f"{s['caught']}/{s['planted']}",
-                             ", ".join(s["missed"]) or "-", ", ".join(s["errors"]) or "-"])
-        about = (f"pytest-dflash selftest --run --dflash-profile quick on the GPU: "
+                             f"{s['caught']}/{s['planted']}", caught])
+        about = (f"{command.split(' --run')[0].split(' ')[0]} --run on the GPU: "
                  f"{test_seconds(rep)} s of tests, {wall.get('seconds', '?')} s wall (exit "
                  f"{wall.get('rc', '?')}). Per route and gate: the route's own status, its "
-                 "unchanged copy's, and the planted defects caught (failed, or inconclusive "
-                 "for a timing gate), never passed.")
-        write(f"{slug}-selftest-quick.json", {
-            **header(env, topic="self-test", title=f"Quick self-test on one {env['card']}",
-                     about=about, command="pytest-dflash selftest selftest-quick.json --run "
-                     "--dflash-profile quick --dflash-device cuda", **common),
+                 "unchanged copy's, and each planted defect: caught (failed, or inconclusive "
+                 "for a timing gate) or missed (passed).")
+        write(f"{slug}-{stem}.json", {
+            **header(env, topic="self-test", title=f"{title} on one {env['card']}",
+                     about=about, command=command, **common),
             "values": {"columns": ["route", "gate", "route status", "unchanged copy",
-                                   "caught", "missed", "errors"], "rows": rows}})
-    else:
-        print("no selftest-quick.json: self-test result not written")
+                                   "caught", "planted defects"], "rows": rows}})
 
     runs = sorted(folder.glob("aa*.run*.json"))
     runs = [p for p in runs if not p.name.endswith(".repeat.json")]
