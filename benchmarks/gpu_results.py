@@ -5,7 +5,7 @@ The job leaves, in one folder, ``env.json`` (card, driver, torch, CUDA, library 
 them into result files under ``benchmarks/results/`` (schema in ``benchmarks/render.py``), each
 naming the card, torch, CUDA and the commit the job ran:
 
-    python benchmarks/gpu_results.py FOLDER --commit abc1234 [--date 2026-12-06]
+    python benchmarks/gpu_results.py FOLDER --commit HASH [--date YYYY-MM-DD]
 
 * ``<card>-main-job-full.json``: the full-profile main job, one row per route and gate
   (status, seconds, figure), with the test seconds and the report's size in ``about``;
