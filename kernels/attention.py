@@ -19,7 +19,7 @@ route ran.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -163,27 +163,38 @@ class SdpaAttention(_Route):
     route = f"{FAMILY}.sdpa"
 
     def _dense(self, q, k, v, out, softmax_scale, causal) -> None:
-        tq, hq, d = q.shape
-        tk, hkv, _ = k.shape
-        group = hq // hkv
-        mask = None
-        if causal and tq != tk:
-            mask = causal_mask(tq, tk, q.device)
-        with _backends(q.device, masked=mask is not None):
-            if mask is not None and group > 1 and q.device.type != "cpu":
-                qh = q.permute(1, 0, 2).unsqueeze(0)  # [1, Hq, Tq, D]
-                kh = k.permute(1, 0, 2).repeat_interleave(group, 0).unsqueeze(0)  # [1, Hq, Tk, D]
-                vh = v.permute(1, 0, 2).repeat_interleave(group, 0).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
-                                                   scale=softmax_scale)
-                out.copy_(o[0].permute(1, 0, 2))
-                return
-            qh = q.view(tq, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
-            kh = k.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
-            vh = v.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
+        sdpa_dense(q, k, v, out, softmax_scale, causal)
+
+
+def sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               softmax_scale: float, causal: bool, backends: Sequence[str] | None = None) -> None:
+    """The route ``attn.d256.sdpa``'s SDPA call, into ``out``: the grouped heads as zero-copy
+    views (K/V expanded over each group), ``is_causal`` for a whole causal prefill, an explicit
+    bottom-right mask over a prefix (K/V then repeated per query head on CUDA, which the masked
+    kernels need). ``backends`` (``SDPBackend`` member names) forces the backends SDPA may
+    choose; None chooses as the baseline does (``_backends``). Forced-backend routes call this
+    too, so they differ from the baseline only in the backend."""
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    group = hq // hkv
+    mask = None
+    if causal and tq != tk:
+        mask = causal_mask(tq, tk, q.device)
+    with _backends(q.device, masked=mask is not None, forced=backends):
+        if mask is not None and group > 1 and q.device.type != "cpu":
+            qh = q.permute(1, 0, 2).unsqueeze(0)  # [1, Hq, Tq, D]
+            kh = k.permute(1, 0, 2).repeat_interleave(group, 0).unsqueeze(0)  # [1, Hq, Tk, D]
+            vh = v.permute(1, 0, 2).repeat_interleave(group, 0).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
-                                               is_causal=causal and tq == tk, scale=softmax_scale)
-            out.view(tq, hkv, group, d).copy_(o.permute(2, 0, 1, 3))
+                                               scale=softmax_scale)
+            out.copy_(o[0].permute(1, 0, 2))
+            return
+        qh = q.view(tq, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
+        kh = k.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
+        vh = v.permute(1, 0, 2).unsqueeze(1).expand(hkv, group, tk, d)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask,
+                                           is_causal=causal and tq == tk, scale=softmax_scale)
+        out.view(tq, hkv, group, d).copy_(o.permute(2, 0, 1, 3))
 
 
 # SDPA backends a masked CUDA call may use (SdpaAttention's docstring says why not cuDNN).
@@ -191,8 +202,16 @@ _MASKED_CUDA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
 @contextmanager
-def _backends(device: torch.device, masked: bool) -> Iterator[None]:
-    """SDPA's backend choice for one call: unrestricted, except masked calls on CUDA."""
+def _backends(device: torch.device, masked: bool,
+              forced: Sequence[str] | None = None) -> Iterator[None]:
+    """SDPA's backend choice for one call: ``forced`` when given, else unrestricted, except
+    masked calls on CUDA."""
+    if forced is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([getattr(SDPBackend, name) for name in forced]):
+            yield
+        return
     if not masked or device.type != "cuda":
         yield
         return

@@ -61,8 +61,10 @@ CANDIDATES: tuple[Route, ...] = (
           gates=("parity", "speed", "validation_cost", *MODEL_LEVEL),
           impl=f"{_GDN}:FLA_CHUNK", probe=f"{_PROBE}:fla",
           description="fla chunk_gated_delta_rule for prefill chunks (M > 8)"),
+    # not ppl: scoring a segment prefills it in blocks of more than 8 tokens, so this route never
+    # serves a call there (its hits stay empty); greedy decoding's one-token steps are its calls
     Route(f"{GDN}.fla_recurrent", GDN, "candidate", baseline=f"{GDN}.torch",
-          gates=("parity", "ppl", "quality"), impl=f"{_GDN}:FLA_RECURRENT",
+          gates=("parity", "quality"), impl=f"{_GDN}:FLA_RECURRENT",
           probe=f"{_PROBE}:fla",
           description="fla fused_recurrent_gated_delta_rule for decode and verify (M <= 8)"),
     Route(f"{GDN}.fla_norm", GDN, "candidate", baseline=f"{GDN}.torch",

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     from pytest_dflash.measure.gate import GateContext
 
 # A Qwen3.5 gated-DeltaNet layer's head layout, scaled down in head count: 4 query/key heads,
-# each serving 2 value heads, head dims 128.
+# each serving 2 value heads, head dims 128. The dispatch point gets q/k already expanded to
+# the value heads: transformers before 5.25 expands them in the layer and its torch fallback
+# takes only equal head counts (later versions expand inside the fallback, a no-op then).
 HK, HV, DK, DV = 4, 8, 128, 128
 FLA_ANCHOR = {"chunk": 0.005, "recurrent": 0.002}
 MAX_ORACLE_T = 8192  # the fp64 oracle steps token by token: longer cases cost minutes
@@ -37,16 +39,17 @@ def gate_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
 
 def make_inputs(t: int, *, seed: int, dtype: torch.dtype, device: torch.device,
                 state: bool = True) -> dict[str, Any]:
-    """q/k/v ``[1, t, H, D]``, log decay g <= 0 and beta in (0, 1) ``[1, t, HV]`` as the layer
-    computes them (``-exp(A) * softplus(a)``, ``sigmoid(b)``), and a starting state."""
+    """q/k/v ``[1, t, HV, D]`` (q/k drawn for HK heads, each repeated for its HV / HK value
+    heads, as the layer hands them over), log decay g <= 0 and beta in (0, 1) ``[1, t, HV]`` as
+    the layer computes them (``-exp(A) * softplus(a)``, ``sigmoid(b)``), and a starting state."""
     gen = torch.Generator().manual_seed(seed)
 
     def draw(*shape: int) -> torch.Tensor:
         return no_zeros(torch.randn(*shape, generator=gen))
 
     inputs = {
-        "q": draw(1, t, HK, DK).to(device, dtype),
-        "k": draw(1, t, HK, DK).to(device, dtype),
+        "q": draw(1, t, HK, DK).repeat_interleave(HV // HK, dim=2).to(device, dtype),
+        "k": draw(1, t, HK, DK).repeat_interleave(HV // HK, dim=2).to(device, dtype),
         "v": draw(1, t, HV, DV).to(device, dtype),
         "g": (-torch.nn.functional.softplus(draw(1, t, HV)) * 0.5).to(device, torch.float32),
         "beta": torch.sigmoid(draw(1, t, HV)).to(device, dtype),
