@@ -52,9 +52,12 @@ info = {"card": torch.cuda.get_device_name(0),
         "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "python": platform.python_version(), "cpus": __import__("os").cpu_count()}
-for mod in ("transformers", "triton", "fla", "liger_kernel", "datasets"):
+from importlib import metadata
+for mod, dist in (("transformers", "transformers"), ("triton", "triton"), ("fla", "fla-core"),
+                  ("liger_kernel", "liger-kernel"), ("datasets", "datasets")):
     try:
-        info[mod] = __import__(mod).__version__
+        __import__(mod)
+        info[mod] = metadata.version(dist)
     except Exception as exc:  # noqa: BLE001
         info[mod] = f"not importable: {exc}"
 info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",

@@ -74,6 +74,18 @@ def header(env: Mapping[str, Any], *, topic: str, title: str, about: str, comman
             "commit": commit, "date": date, "command": command}
 
 
+def figure_of(tests: list[Mapping[str, Any]], limit: int = 2) -> str:
+    """The gate's figure, else (a test that failed or erred before it measured) the first
+    such test's message: a row never reads blank."""
+    figure = gate_figure(tests, limit=limit)
+    if figure:
+        return figure
+    for test in tests:
+        if test.get("outcome") in ("failed", "error") and test.get("message"):
+            return test["message"].splitlines()[0][:200]
+    return ""
+
+
 def gate_rows(report: Mapping[str, Any], routes: list[str] | None = None) -> list[list[Any]]:
     """route, gate, status, seconds (its tests' duration), figure: one row per required gate."""
     rows = []
@@ -87,7 +99,7 @@ def gate_rows(report: Mapping[str, Any], routes: list[str] | None = None) -> lis
             tests = gate.get("tests", [])
             seconds = round(sum(t.get("duration_s") or 0 for t in tests), 1)
             status = gate_status(tests) if tests else "pending"
-            figure = gate_figure(tests) if tests else "did not run"
+            figure = figure_of(tests) if tests else "did not run"
             rows.append([name, kind, status, seconds, figure])
     return rows
 
@@ -104,7 +116,7 @@ def verdict_rows(report: Mapping[str, Any], routes: list[str]) -> list[list[Any]
         for kind in entry.get("required", []):
             tests = (entry.get("gates", {}).get(kind) or {}).get("tests", [])
             status = gate_status(tests) if tests else "pending"
-            parts.append(f"{kind} {status}: {gate_figure(tests, limit=1) if tests else '-'}")
+            parts.append(f"{kind} {status}: {figure_of(tests, limit=1) if tests else '-'}")
         rows.append([name, entry.get("verdict", "?"), " | ".join(parts)])
     return rows
 
