@@ -6,7 +6,10 @@ httpx likewise: imported first inside an inline run and re-imported after it, it
 the *old* httpcore exception classes, so a refused connection escapes as a raw httpcore error
 and a server engine's health wait gives up at once instead of retrying. `evaluate` likewise: its
 import registers torch's ``c10d_functional`` op library, which a second import refuses, so a
-second inline run that scores perplexity would end in a harness error.
+second inline run that scores perplexity would end in a harness error. httpx and `evaluate`
+are imported by a session fixture every test uses, not at this module's import: a gate session
+started at the repository root (``--pyargs dflash_suites``) loads this conftest through
+``testpaths`` and runs none of these tests, and `evaluate` alone costs it seconds.
 
 ``real_runs`` runs real gates once per session; the readers of a report (plot, JUnit, diff,
 summaries, merge) are tested on the files they wrote. Under pytest-xdist (``pytest tests -n
@@ -36,13 +39,18 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import evaluate  # noqa: F401
 import pytest
 import torch
 
-with contextlib.suppress(ImportError):  # the test extra; `pip install -e .` alone lacks it
-    import httpcore  # noqa: F401  (httpx imports it lazily, inside the first client)
-    import httpx  # noqa: F401
+
+@pytest.fixture(scope="session", autouse=True)
+def _imported_once() -> None:
+    """Before the first test, so before any pytester inline run (see the module's docstring)."""
+    import evaluate  # noqa: F401
+
+    with contextlib.suppress(ImportError):  # the test extra; `pip install -e .` alone lacks it
+        import httpcore  # noqa: F401  (httpx imports it lazily, inside the first client)
+        import httpx  # noqa: F401
 
 
 # ------------------------------------------------------------------ xdist
