@@ -6,7 +6,10 @@ httpx likewise: imported first inside an inline run and re-imported after it, it
 the *old* httpcore exception classes, so a refused connection escapes as a raw httpcore error
 and a server engine's health wait gives up at once instead of retrying. `evaluate` likewise: its
 import registers torch's ``c10d_functional`` op library, which a second import refuses, so a
-second inline run that scores perplexity would end in a harness error.
+second inline run that scores perplexity would end in a harness error. httpx and `evaluate`
+are imported by a session fixture every test uses, not at this module's import: a gate session
+started at the repository root (``--pyargs dflash_suites``) loads this conftest through
+``testpaths`` and runs none of these tests, and `evaluate` alone costs it seconds.
 
 ``real_runs`` runs real gates once per session; the readers of a report (plot, JUnit, diff,
 summaries, merge) are tested on the files they wrote. Under pytest-xdist (``pytest tests -n
@@ -16,6 +19,14 @@ worker reads the same files.
 Under xdist every test still sees the environment of a run without it: the plugin refuses timing
 gates in a process that has ``PYTEST_XDIST_WORKER`` (they must never share the device), and the
 gate sessions these tests start, in process or as children, are sessions of their own.
+
+Under xdist the workers share the host's cores out: each worker, and every process it starts (a
+gate session, its timing workers, a served engine), runs ``cores // workers`` torch CPU threads
+(``OMP_NUM_THREADS`` and ``torch.set_num_threads``). With a thread per core in every worker, the
+workers' OpenMP threads spin on the same cores and a test of many small ops (an engine's decode
+steps) runs many times slower. A test marked ``idle_cores`` runs alone and gets the caller's
+threads back for its duration: a timing decision is asserted only on the threads a run without
+xdist has. A caller who sets ``OMP_NUM_THREADS`` keeps it everywhere.
 """
 
 from __future__ import annotations
@@ -28,13 +39,18 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import evaluate  # noqa: F401
 import pytest
-import torch  # noqa: F401
+import torch
 
-with contextlib.suppress(ImportError):  # the test extra; `pip install -e .` alone lacks it
-    import httpcore  # noqa: F401  (httpx imports it lazily, inside the first client)
-    import httpx  # noqa: F401
+
+@pytest.fixture(scope="session", autouse=True)
+def _imported_once() -> None:
+    """Before the first test, so before any pytester inline run (see the module's docstring)."""
+    import evaluate  # noqa: F401
+
+    with contextlib.suppress(ImportError):  # the test extra; `pip install -e .` alone lacks it
+        import httpcore  # noqa: F401  (httpx imports it lazily, inside the first client)
+        import httpx  # noqa: F401
 
 
 # ------------------------------------------------------------------ xdist
@@ -56,10 +72,52 @@ def _outside_xdist(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class _Threads:
+    """A worker's share of the cores, and the caller's setting an ``idle_cores`` test gets back."""
+
+    share: int
+    full: int
+    saved: dict[str, str | None]
+
+    def cap(self) -> None:
+        for name in THREAD_VARIABLES:
+            os.environ[name] = str(self.share)
+        torch.set_num_threads(self.share)
+
+    def restore(self) -> None:
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        torch.set_num_threads(self.full)
+
+
+THREADS = pytest.StashKey[_Threads]()
+
+
+def worker_threads(cores: int, workers: int) -> int:
+    """Torch threads of one of ``workers`` xdist workers on ``cores`` cores: together no more
+    threads than cores, and at least one each."""
+    return max(1, cores // max(1, workers))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "idle_cores: the test asserts a timing decision; under xdist no other test "
-        "runs while it does (the other workers wait)")
+        "runs while it does (the other workers wait), on the caller's torch threads")
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None or "OMP_NUM_THREADS" in os.environ:
+        return  # no xdist, or the caller chose the threads: every process keeps them
+    share = worker_threads(len(os.sched_getaffinity(0)), int(workerinput["workercount"]))
+    threads = _Threads(share, torch.get_num_threads(),
+                       {name: os.environ.get(name) for name in THREAD_VARIABLES})
+    config.stash[THREADS] = threads
+    threads.cap()
 
 
 def _xdist_base(config: pytest.Config) -> Path:
@@ -79,15 +137,20 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
     base = _xdist_base(item.config)
     exclusive = item.get_closest_marker("idle_cores") is not None
+    threads = item.config.stash.get(THREADS, None)
     with open(base / "idle-cores.turnstile", "a") as turnstile, \
             open(base / "idle-cores.lock", "a") as lock:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         if not exclusive:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
         fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if exclusive and threads is not None:
+            threads.restore()  # alone on the cores: the threads of a run without xdist
         try:
             return (yield)
         finally:
+            if exclusive and threads is not None:
+                threads.cap()
             fcntl.flock(lock, fcntl.LOCK_UN)
             if exclusive:
                 fcntl.flock(turnstile, fcntl.LOCK_UN)

@@ -96,16 +96,20 @@ def test_dense_routes_match_fp64_reference(route, tq, tk, hq, hkv, causal):
 def test_fa2_writes_an_inference_mode_output_from_every_thread(ops, paged):
     """An engine runs under torch.inference_mode and allocates ``out`` there (an inference
     tensor). Many query tiles spread the op over the intra-op threads, each of which writes its
-    rows: a thread without the caller's inference mode may not (torch refuses the write)."""
-    if torch.get_num_threads() < 2:
-        pytest.skip("one intra-op thread: the op never leaves the caller's thread")
+    rows: a thread without the caller's inference mode may not (torch refuses the write).
+    At least two threads, whatever the run's share of the cores (one under xdist on 2 cores)."""
     q, k, v = make_qkv(300, 300, 4, 2, seed=9)
-    with torch.inference_mode():
-        out = torch.full_like(q, float("nan"))
-        if paged:
-            FA2.paged(q, *paged_copy(k, v, 32, 10), 300, out, SCALE, True)
-        else:
-            FA2.dense(q, k, v, out, SCALE, True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(2, threads))
+        with torch.inference_mode():
+            out = torch.full_like(q, float("nan"))
+            if paged:
+                FA2.paged(q, *paged_copy(k, v, 32, 10), 300, out, SCALE, True)
+            else:
+                FA2.dense(q, k, v, out, SCALE, True)
+    finally:
+        torch.set_num_threads(threads)
     assert rel_l2(out, reference_attention(q, k, v, SCALE, True)) <= 2e-6
 
 

@@ -238,6 +238,9 @@ def toy(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Py
     pytester.syspathinsert()
     monkeypatch.setenv("TOY_LOG", str(pytester.path / "toy.log"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # the caller sets no thread count (under xdist tests/conftest.py shares the cores out)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     return pytester
 
 

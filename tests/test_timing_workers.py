@@ -250,6 +250,7 @@ def test_a_job_must_name_a_builder_and_carry_json():
         TimingJob("a:b", {"x": object()})
 
 
+@pytest.mark.idle_cores  # asserts the planted 10% is timed as about 1.1x
 def test_a_planted_engine_route_is_timed_in_the_workers_as_the_gate_built_it(tmp_path: Path):
     """The self-test's planted prefill.geometry routes wrap the served engine; a worker that
     registers them rebuilds that wrapper over its own engine, so their cold prefills are timed
