@@ -121,9 +121,14 @@ def verdict_rows(report: Mapping[str, Any], routes: list[str]) -> list[list[Any]
     return rows
 
 
+def tests_of(report: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Every gate test of every route in ``report``."""
+    return [t for e in report["routes"].values() for g in e.get("gates", {}).values()
+            for t in g.get("tests", [])]
+
+
 def test_seconds(report: Mapping[str, Any]) -> float:
-    return round(sum(t.get("duration_s") or 0 for e in report["routes"].values()
-                     for g in e.get("gates", {}).values() for t in g.get("tests", [])), 1)
+    return round(sum(t.get("duration_s") or 0 for t in tests_of(report)), 1)
 
 
 def write(name: str, data: dict[str, Any]) -> None:
@@ -148,11 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         rep = reports.load(main_report)
         size = main_report.stat().st_size
         wall = walls.get("main", {})
-        counts = {}
-        for e in rep["routes"].values():
-            for g in e.get("gates", {}).values():
-                for t in g.get("tests", []):
-                    counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+        counts: dict[str, int] = {}
+        for t in tests_of(rep):
+            counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
         about = (f"The main job on one GPU, full profile: {test_seconds(rep)} s of tests "
                  f"({wall.get('seconds', '?')} s wall for the whole pytest process, exit "
                  f"{wall.get('rc', '?')}), outcomes {json.dumps(counts, sort_keys=True)}. Its "
