@@ -389,3 +389,19 @@ def test_a_prefill_route_leaves_the_verify_path_as_it_was(pytester: pytest.Pytes
     assert hits["m1"]["linear.gdn.naive_prefill/recurrent_dispatch"] > 0
     assert hits["m4"]["linear.gdn.naive_prefill/chunk_dispatch"] > 0
     assert hits["m4"]["linear.gdn.torch/gated_norm"] > 0
+
+
+def test_gated_delta_rule_inputs_are_what_the_layer_hands_the_dispatch_point() -> None:
+    """Qwen3.5's layer (transformers before 5.25) expands q/k to the value heads before the
+    dispatch point, and that version's torch fallback refuses fewer q/k heads than value heads:
+    the op-level suites must pass q/k already expanded, each drawn head repeated for its group."""
+    from dflash_suites.support.gdn import HK, HV, make_inputs
+
+    inputs = make_inputs(16, seed=3, dtype=torch.float32, device=torch.device("cpu"))
+    for name in ("q", "k", "v"):
+        assert inputs[name].shape[2] == HV, name
+    group = HV // HK
+    for name in ("q", "k"):
+        heads = inputs[name].unflatten(2, (HK, group))
+        assert torch.equal(heads, heads[:, :, :, :1].expand_as(heads)), name
+        assert not torch.equal(heads[:, :, 0, 0], heads[:, :, 1, 0]), name  # HK distinct heads
