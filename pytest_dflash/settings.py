@@ -20,7 +20,7 @@ import pytest
 
 from pytest_dflash.evidence import compact
 from pytest_dflash.native.loader import SIDECAR_ENV
-from pytest_dflash.routes.vocabulary import PROFILES
+from pytest_dflash.routes.vocabulary import DTYPES, PROFILES
 from pytest_dflash.sandbox.executor import ALLOW_UNJAILED_ENV
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -54,6 +54,9 @@ class Settings:
     benchmark_only: bool = False
     engine: str = "reference"  # "reference" or "hf" (then hf_model is the model directory)
     hf_model: Path | None = None
+    # the transformers engine's compute dtype on both sides of every comparison (None: float32,
+    # the checkpoint's precision on the CPU); a route that sets its own dtype keeps it
+    hf_dtype: str | None = None
     serve: str | None = None
     engine_urls: dict[str, str] = field(default_factory=dict)
     serve_timeout_s: float = 600.0
@@ -122,6 +125,10 @@ def add_options(parser: pytest.Parser) -> None:
                     help="the in-process engine of the model-level gates: 'reference' (the "
                          "default), 'hf:PATH' for a local Hugging Face causal LM, or 'hf' for "
                          "the tiny one shipped (extra [hf]; docs/engines.md)")
+    group.addoption("--dflash-dtype", choices=DTYPES, default=None,
+                    help="the transformers engine's compute dtype, baseline and candidate alike "
+                         "(default float32): bfloat16 or float16 judge the routes as a GPU "
+                         "stack runs them, e.g. SDPA backends that take no float32")
     group.addoption("--dflash-serve", default=None, metavar="CMD",
                     help="gate a server: the command that starts an OpenAI-compatible server "
                          "with {port} for its port, run once per route selection with that "
@@ -142,6 +149,7 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("dflash_merge", "default for --dflash-merge", type="bool", default=False)
     parser.addini("dflash_selftest", "default for --dflash-selftest", type="bool", default=False)
     parser.addini("dflash_engine", "default for --dflash-engine", default="")
+    parser.addini("dflash_dtype", "default for --dflash-dtype", default="")
     parser.addini("dflash_serve", "default for --dflash-serve", default="")
     parser.addini("dflash_engine_url", "default for --dflash-engine-url (one KEY=URL a line)",
                   type="linelist", default=[])
@@ -325,11 +333,20 @@ def _engine_options(config: pytest.Config, pick: Any) -> dict[str, Any]:
     if serve and (getattr(config.option, "numprocesses", None) or 0):
         raise pytest.UsageError("--dflash-serve starts one server at a time on the device; it "
                                 "cannot run under pytest -n: run without -n")
+    hf_dtype = pick("dtype") or None
+    if hf_dtype is not None and hf_dtype not in DTYPES:
+        raise pytest.UsageError(f"dflash_dtype = {hf_dtype!r}; use {', '.join(DTYPES)}")
+    if hf_dtype is not None and hf_model is None:
+        raise pytest.UsageError(
+            f"--dflash-dtype {hf_dtype} sets the transformers engine's compute dtype; the "
+            "reference engine computes in float32 and a server in its own: add --dflash-engine "
+            "hf (or hf:PATH), or drop --dflash-dtype")
     data = pick("data") or None
     if data:
         try:
             data = check_data_dir(_under(Path(config.invocation_params.dir), data))
         except DataError as exc:
             raise pytest.UsageError(str(exc)) from None
-    return {"engine": engine, "hf_model": hf_model, "serve": serve, "engine_urls": urls,
+    return {"engine": engine, "hf_model": hf_model, "hf_dtype": hf_dtype, "serve": serve,
+            "engine_urls": urls,
             "serve_timeout_s": float(timeout), "data": data or None}

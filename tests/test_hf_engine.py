@@ -133,6 +133,35 @@ def test_route_hits_prove_what_the_model_ran() -> None:
     assert bf16.route_hits()[f"{hf.BF16.name}:dtype:bfloat16"] > 0
 
 
+def test_the_sessions_dtype_runs_both_sides_unless_the_route_sets_its_own() -> None:
+    """--dflash-dtype: the baseline computes in it (a GPU stack's bf16), a geometry route that
+    sets a dtype keeps its own, and a dtype the engine has no name for names the option."""
+    base16 = hf.build(MODEL, BASE, "quick", dtype="bfloat16")
+    base16.score(base16.encode(TEXT, add_special_tokens=True))
+    assert base16.model.dtype == torch.bfloat16
+    assert base16.route_hits()[f"{hf.BASELINE}:dtype:bfloat16"] > 0
+    assert "bfloat16" in repr(base16)
+    assert hf.build(MODEL, {"prefill.geometry": hf.BF16.name}, "quick",
+                    dtype="float16").model.dtype == torch.bfloat16
+    with pytest.raises(hf.EngineError, match="--dflash-dtype"):
+        hf.build(MODEL, BASE, "quick", dtype="float64")
+
+
+def test_a_timing_worker_builds_its_engines_in_the_sessions_dtype() -> None:
+    """The worker rebuilds the gate's engines from the spec: the same model, the same dtype."""
+    from pytest_dflash.measure.timing_child import WorkerContext
+    from pytest_dflash.measure.timing_pool import WorkerSpec
+    from pytest_dflash.policy.thresholds import Policy
+    from pytest_dflash.routes import library, shipped
+
+    spec = WorkerSpec(device="cpu", threads=1, profile="quick", policy=Policy().as_dict(),
+                      plugins=[shipped.__name__, library.__name__, hf.__name__],
+                      hf_model=str(MODEL),
+                      hf_dtype="float16")
+    worker = WorkerContext(json.loads(json.dumps(spec.as_json())))
+    assert worker.engine().model.dtype == torch.float16
+
+
 def test_routes_the_engine_cannot_switch_are_unsupported() -> None:
     """The Llama fixture has no recurrent state and attention head dim 32."""
     with pytest.raises(EngineUnsupported, match="no recurrent"):
@@ -153,6 +182,8 @@ def test_bad_model_directory_names_the_fix(tmp_path) -> None:
     [
         (["--dflash-engine", "hf:no/such/model"], "*no/such/model: no such directory*"),
         (["--dflash-engine", "vllm"], "*unknown engine; give 'reference', 'hf'*"),
+        (["--dflash-dtype", "bfloat16"], "*--dflash-dtype bfloat16 sets the transformers "
+                                         "engine's compute dtype*add --dflash-engine hf*"),
         (
             ["--dflash-engine", "hf", "--dflash-engine-url", "baseline=http://h:1"],
             "*give one of them*",

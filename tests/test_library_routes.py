@@ -120,6 +120,32 @@ def test_the_gpu_command_on_a_cpu_ends_pending_with_the_reason(tmp_path: Path) -
             assert "needs a CUDA device" in messages or probes.EXTRA in messages, messages
 
 
+def test_a_backend_without_float32_is_judged_on_the_dtypes_it_takes(tmp_path: Path) -> None:
+    """flash and cuDNN declare float16/bfloat16 (Route.dtypes): their float32 parity tests are
+    deselected, not left pending forever; the memory-efficient backend keeps every dtype."""
+    args = [sys.executable, "-m", "pytest", "--pyargs", "dflash_suites", "-m", "parity",
+            "--dflash-engine", "hf", "--dflash-profile", "quick", "--collect-only", "-q",
+            "-p", "no:cacheprovider", "--dflash-route", "attn.d256.sdpa_flash",
+            "--dflash-route", "attn.d256.sdpa_efficient"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, **HF_ENV})
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    flash = [i for i in ids if "sdpa_flash" in i]
+    efficient = [i for i in ids if "sdpa_efficient" in i]
+    assert flash and all("float32" not in i for i in flash), done.stdout[-3000:]
+    assert any("float16" in i for i in flash)
+    assert any("float32" in i for i in efficient) and any("float16" in i for i in efficient)
+    assert "deselected" in done.stdout.splitlines()[-1]
+
+
+def test_a_route_naming_an_unknown_dtype_is_refused() -> None:
+    from pytest_dflash.routes.registry import RegistryError, Route
+
+    with pytest.raises(RegistryError, match="float64.*use some of float32"):
+        Route("attn.d256.x", "attn.d256", "candidate", baseline="attn.d256.sdpa",
+              gates=("parity",), dtypes=("float64",))
+
+
 # --------------------------------------------------------------------- the switch, for real
 def _model():
     from transformers import AutoModelForCausalLM

@@ -30,12 +30,13 @@ class EngineFactory:
                  startup_timeout_s: float = 600.0, request_timeout_s: float = 600.0,
                  log_dir: Path | None = None,
                  hf_model: Path | None = None,
+                 hf_dtype: str | None = None,
                  base_env: Mapping[str, str] | None = None) -> None:
         if hf_model is not None and (serve or urls):
             raise ValueError("the transformers engine runs in process: give hf_model or a "
                              "server (serve / urls), not both")
         self.registry, self.profile, self.device = registry, profile, device
-        self.hf_model = hf_model
+        self.hf_model, self.hf_dtype = hf_model, hf_dtype
         self.pool = None
         if serve or urls:
             from pytest_dflash.engines.openai_server import ServerPool
@@ -53,7 +54,7 @@ class EngineFactory:
     @property
     def kind(self) -> str:
         if self.hf_model is not None:
-            return f"transformers ({self.hf_model})"
+            return f"transformers ({self.hf_model}, {self.hf_dtype or 'float32'})"
         if self.pool is None:
             return "reference"
         return "server (--dflash-serve)" if self.pool.command else "server (--dflash-engine-url)"
@@ -73,7 +74,7 @@ class EngineFactory:
             from pytest_dflash.engines import transformers
 
             engine = transformers.build(self.hf_model, full, self.profile, device=self.device,
-                                        registry=self.registry)
+                                        registry=self.registry, dtype=self.hf_dtype)
         else:
             from pytest_dflash.engines import reference
 

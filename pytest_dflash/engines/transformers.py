@@ -66,6 +66,7 @@ from pytest_dflash.engines import (
     check_positions,
 )
 from pytest_dflash.routes.registry import Route
+from pytest_dflash.routes.vocabulary import DTYPES
 
 if TYPE_CHECKING:
     from pytest_dflash.routes.registry import RouteRegistry
@@ -75,7 +76,6 @@ GDN, NORM_MLP = "linear.gdn", "norm_mlp"  # the kernel libraries' families (rout
 BASELINE = f"{GEOMETRY}.fp32_q3296"
 MAX_VERIFY_ROWS = 8
 ATTENTION = ("sdpa", "eager")
-DTYPES = ("float32", "bfloat16", "float16")
 # storage dtypes of recurrent states between chunks (the layers compute in fp32 either way)
 STATE_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 CACHES = ("dynamic", "static", "quantized")
@@ -156,7 +156,7 @@ class HFSettings:
     name: str
     full_chunk: int = 3296
     attn_implementation: str = "sdpa"
-    dtype: str = "float32"
+    dtype: str = ""  # "": the session's compute dtype (--dflash-dtype, default float32)
     cache: str = "dynamic"
     cache_backend: str = ""
     cache_nbits: int = 0
@@ -167,7 +167,7 @@ class HFSettings:
             raise ValueError(
                 f"{self.name}: attention {self.attn_implementation!r} is not one of {ATTENTION}"
             )
-        if self.dtype not in DTYPES:
+        if self.dtype and self.dtype not in DTYPES:
             raise ValueError(f"{self.name}: dtype {self.dtype!r} is not one of {DTYPES}")
         if self.cache not in CACHES:
             raise ValueError(f"{self.name}: cache {self.cache!r} is not one of {CACHES}")
@@ -342,6 +342,7 @@ class TransformersEngine:
         profile: str,
         device: str = "cpu",
         registry: RouteRegistry | None = None,
+        dtype: str | None = None,
     ) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -362,11 +363,15 @@ class TransformersEngine:
         self.selection = {**dict(selection), GEOMETRY: self.route, ATTN: self.attn_route,
                           GEMM: self.gemm_route}
         self.chunk = self.settings.chunk(profile)
-        dtype = getattr(torch, self.settings.dtype)
+        # the geometry route's own dtype (hf_bf16), else the session's on both sides
+        self.dtype = self.settings.dtype or dtype or "float32"
+        if self.dtype not in DTYPES:
+            raise EngineError(f"compute dtype {self.dtype!r} is not one of {DTYPES}: pass "
+                              f"--dflash-dtype {' | '.join(DTYPES)}")
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         attention = self._attention_choice(registry)
         self.model = (
-            AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype,
+            AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, self.dtype),
                                                  attn_implementation=attention)
             .to(self.device)
             .eval()
@@ -728,7 +733,7 @@ class TransformersEngine:
     def __repr__(self) -> str:
         return (
             f"<TransformersEngine {self.path.name} {self.route} {self.attn_route} "
-            f"{self.gemm_route} ({self.attention_served_by}, {self.settings.dtype}, "
+            f"{self.gemm_route} ({self.attention_served_by}, {self.dtype}, "
             f"{self.settings.cache} cache, {self.settings.state} state, chunk {self.chunk}) "
             f"device={self.device}>"
         )
@@ -740,9 +745,11 @@ def build(
     profile: str,
     device: str = "cpu",
     registry: RouteRegistry | None = None,
+    dtype: str | None = None,
 ) -> TransformersEngine:
-    """The transformers engine of ``model_path`` for a family -> route selection."""
-    return TransformersEngine(model_path, selection, profile, device, registry)
+    """The transformers engine of ``model_path`` for a family -> route selection, computing in
+    ``dtype`` (``--dflash-dtype``; default float32) unless its geometry route sets one."""
+    return TransformersEngine(model_path, selection, profile, device, registry, dtype)
 
 
 def preload(model_path: str | Path) -> None:

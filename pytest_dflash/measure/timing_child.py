@@ -49,7 +49,7 @@ class WorkerContext:
         self.profile: str = spec["profile"]
         self.policy = Policy(**spec["policy"])
         self.threads = int(spec["threads"])
-        self.hf_model = spec.get("hf_model")
+        self.hf_model, self.hf_dtype = spec.get("hf_model"), spec.get("hf_dtype")
         # the candidate of the job being timed, and its objects: an exception raised in them is
         # the candidate's (routes.origin), told to the gate's process with the error
         self.candidate: str | None = None
@@ -92,7 +92,8 @@ class WorkerContext:
 
             self._factory = EngineFactory(
                 self.registry, self.profile, self.device.type,
-                hf_model=Path(self.hf_model) if self.hf_model else None)
+                hf_model=Path(self.hf_model) if self.hf_model else None,
+                hf_dtype=self.hf_dtype)
         return self._factory
 
     def implementation(self, route: str) -> Any:

@@ -121,6 +121,7 @@ class WorkerSpec:
     # the in-process engine a job may build: None the reference engine, else the directory of
     # the Hugging Face model (--dflash-engine hf:PATH)
     hf_model: str | None = None
+    hf_dtype: str | None = None  # its compute dtype (--dflash-dtype; None: float32)
     sys_path: list[str] = field(default_factory=lambda: list(sys.path))
 
     def as_json(self) -> dict[str, Any]:
@@ -132,6 +133,7 @@ class WorkerSpec:
             "plugins": list(self.plugins),
             "worker_plugins": [dict(entry) for entry in self.worker_plugins],
             "hf_model": self.hf_model,
+            "hf_dtype": self.hf_dtype,
             "sys_path": list(self.sys_path),
         }
 

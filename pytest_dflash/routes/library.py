@@ -29,6 +29,9 @@ _NORM = "pytest_dflash.library.norm_mlp"
 _SDPA = "pytest_dflash.library.sdpa_backends"
 _PROBE = "pytest_dflash.library.probes"
 MODEL_LEVEL = ("prefill", "ppl", "quality")
+# torch's flash and cuDNN SDPA kernels take half precision only: their op-level tests run in
+# float16 (Route.dtypes), their model-level gates under --dflash-dtype bfloat16 or float16
+HALF = ("float16", "bfloat16")
 
 FAMILIES: tuple[Family, ...] = (
     # verify blocks (M <= 8) run on the baseline while a prefill candidate is on: that is what
@@ -82,16 +85,18 @@ CANDIDATES: tuple[Route, ...] = (
     # torch's SDPA backends, one forced at a time
     Route(f"{ATTN}.sdpa_flash", ATTN, "candidate", baseline=f"{ATTN}.sdpa",
           gates=("parity", "speed", *MODEL_LEVEL), impl=f"{_SDPA}:FLASH",
-          probe=f"{_PROBE}:sdpa_backend",
-          description="torch SDPA forced to its flash backend (sdpa_kernel)"),
+          probe=f"{_PROBE}:sdpa_backend", dtypes=HALF,
+          description="torch SDPA forced to its flash backend (sdpa_kernel); float16 and "
+                      "bfloat16 only"),
     Route(f"{ATTN}.sdpa_efficient", ATTN, "candidate", baseline=f"{ATTN}.sdpa",
           gates=("parity", "speed", *MODEL_LEVEL), impl=f"{_SDPA}:EFFICIENT",
           probe=f"{_PROBE}:sdpa_backend",
           description="torch SDPA forced to its memory-efficient backend (sdpa_kernel)"),
     Route(f"{ATTN}.sdpa_cudnn", ATTN, "candidate", baseline=f"{ATTN}.sdpa",
           gates=("parity", "speed", *MODEL_LEVEL), impl=f"{_SDPA}:CUDNN",
-          probe=f"{_PROBE}:sdpa_backend",
-          description="torch SDPA forced to its cuDNN backend (sdpa_kernel)"),
+          probe=f"{_PROBE}:sdpa_backend", dtypes=HALF,
+          description="torch SDPA forced to its cuDNN backend (sdpa_kernel); float16 and "
+                      "bfloat16 only"),
 )
 
 

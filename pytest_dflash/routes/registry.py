@@ -13,7 +13,13 @@ from types import MappingProxyType
 from typing import Any
 
 from pytest_dflash.routes.families import Family
-from pytest_dflash.routes.vocabulary import GATE_KINDS, ROLES, UnknownNameError, check_kind
+from pytest_dflash.routes.vocabulary import (
+    DTYPES,
+    GATE_KINDS,
+    ROLES,
+    UnknownNameError,
+    check_kind,
+)
 
 
 class RegistryError(ValueError):
@@ -74,6 +80,11 @@ class Route:
     # gate test (``hits.attributed``), so proving what ran costs the timed calls nothing
     hit_source: str | None = None
     server_env: Mapping[str, str] = field(default_factory=dict)
+    # the compute dtypes the route's kernels take ("float16", "bfloat16", ...); empty: every
+    # one. A gate test parametrized over ``dtype`` runs only these for the route (collection
+    # deselects the rest), so a backend with no float32 kernel is judged on what it serves
+    # instead of pending forever on what it never claimed
+    dtypes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -91,6 +102,11 @@ class Route:
                                 f"names to string values, got {bad!r}; e.g. "
                                 "server_env={'N_UBATCH': '128'}")
         object.__setattr__(self, "server_env", MappingProxyType(dict(self.server_env)))
+        object.__setattr__(self, "dtypes", tuple(self.dtypes))
+        unknown = [d for d in self.dtypes if d not in DTYPES]
+        if unknown:
+            raise RegistryError(f"route {self.name!r}: dtypes {unknown} are not torch compute "
+                                f"dtypes; use some of {', '.join(DTYPES)}")
         try:
             for kind in self.gates:
                 check_kind(kind)

@@ -1,4 +1,4 @@
-"""The closed vocabulary of pytest-dflash: gate kinds, profiles, roles.
+"""The closed vocabulary of pytest-dflash: gate kinds, profiles, roles, compute dtypes.
 
 Every other module validates names against these tuples, so a typo in a marker, an option or a
 route declaration is an error that lists what exists (docs/vocabulary.md explains each word).
@@ -12,6 +12,9 @@ GATE_KINDS: tuple[str, ...] = ("loader", "parity", "speed", "prefill", "validati
                                "quality")
 PROFILES: tuple[str, ...] = ("quick", "ci", "full")
 ROLES: tuple[str, ...] = ("oracle", "baseline", "candidate")
+# compute dtypes, as torch names them: a route's ``dtypes``, the transformers engine's
+# ``--dflash-dtype``
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # Timing gates share the device with nothing else: they refuse to run inside xdist workers.
 EXCLUSIVE_KINDS: frozenset[str] = frozenset({"speed", "prefill", "validation_cost"})
 

@@ -101,7 +101,9 @@ def modify_items(config: pytest.Config, items: list[pytest.Item]) -> None:
         kind = marker.args[0]
         item.add_marker(kind)
         bind(item, route, kind)
-        if state.selected_gates and (route.name, kind) not in state.selected_gates:
+        if not serves_dtype(route, callspec.params.get("dtype")):
+            drop.append(item)
+        elif state.selected_gates and (route.name, kind) not in state.selected_gates:
             drop.append(item)
         else:
             keep.append(item)
@@ -109,6 +111,15 @@ def modify_items(config: pytest.Config, items: list[pytest.Item]) -> None:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
     reporting.deselect_skipped_benchmarks(config, items, lambda item: binding(item) is not None)
+
+
+def serves_dtype(route: Route, dtype: Any) -> bool:
+    """Whether a gate test parametrized with ``dtype`` (a torch dtype or its name; None: not
+    parametrized) applies to ``route``: every dtype does unless the route declares the ones
+    its kernels take (``Route.dtypes``)."""
+    if dtype is None or not route.dtypes:
+        return True
+    return str(dtype).removeprefix("torch.") in route.dtypes
 
 
 def check_setup(item: pytest.Item) -> None:

@@ -31,7 +31,8 @@ def factory_of(config: pytest.Config) -> Any:
         factory = EngineFactory(
             state_of(config).registry, profile_of(config), device_info(config)["type"],
             serve=asked.serve, urls=asked.engine_urls, startup_timeout_s=asked.serve_timeout_s,
-            hf_model=asked.hf_model, base_env=gpus.server_env() if asked.serve else None,
+            hf_model=asked.hf_model, hf_dtype=asked.hf_dtype,
+            base_env=gpus.server_env() if asked.serve else None,
             log_dir=Path(config.rootpath) / ".dflash" / "server-logs" if asked.serve else None)
         config.stash[FACTORY] = factory
     return factory

@@ -118,7 +118,8 @@ def _worker_spec(config: pytest.Config, state: DflashState,
         device=str(torch_device(config)), threads=torch.get_num_threads(),
         profile=profile_of(config), policy=state.policy.as_dict(),
         plugins=timing_pool.plugin_references(route_plugins),
-        worker_plugins=list(state.worker_plugins), hf_model=_hf_model(config))
+        worker_plugins=list(state.worker_plugins), hf_model=_hf_model(config),
+        hf_dtype=settings.of(config).hf_dtype)
 
 
 def _hf_model(config: pytest.Config) -> str | None:
