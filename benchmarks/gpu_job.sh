@@ -10,6 +10,7 @@
 # build     build both native variants into $DFLASH_CACHE_DIR (seconds in build.log)
 # hf        pytest -m sm70 --dflash-device cuda --dflash-engine hf (ci profile): the six
 #           shipped candidates and the kernel libraries' routes inside the Qwen3.5 hybrid
+#           (HF_ARGS: more options, e.g. routes or --dflash-dtype; HF_NAME: the report's name)
 # hfselftest  the self-test of linear.gdn.fla_chunk inside the Qwen3.5 hybrid (quick profile):
 #           its planted defects (state dropped at a chunk seam, q/k L2 norm dropped)
 # selftest  the self-test, quick profile, on cuda
@@ -71,9 +72,9 @@ EOF
         timed build 400 bash -c 'pytest-dflash build --variant full && pytest-dflash build --variant dense_only'
         ;;
     hf)
-        timed hf "${HF_LIMIT:-420}" python3 -m pytest -m sm70 --dflash-device cuda \
-            --dflash-engine hf --dflash-profile ci -p no:cacheprovider --durations=40 \
-            --dflash-report "$WORK/hf-ci.json" ${HF_ARGS:-}
+        timed "${HF_NAME:-hf}" "${HF_LIMIT:-420}" python3 -m pytest -m sm70 \
+            --dflash-device cuda --dflash-engine hf --dflash-profile ci -p no:cacheprovider \
+            --durations=40 --dflash-report "$WORK/${HF_NAME:-hf}-ci.json" ${HF_ARGS:-}
         ;;
     hfselftest)
         timed hfselftest "${HFSELFTEST_LIMIT:-150}" pytest-dflash selftest \
