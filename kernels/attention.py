@@ -201,15 +201,47 @@ def sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
 _MASKED_CUDA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
+# SDPBackend member -> the suffix of torch's flag getter and setter (``_get_<s>_sdp_enabled``,
+# ``_set_sdp_use_<s>``): the flags ``torch.nn.attention.sdpa_kernel`` sets
+_SDP_FLAGS = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "mem_efficient",
+              "MATH": "math", "CUDNN_ATTENTION": "cudnn", "OVERRIDEABLE": "overrideable"}
+
+
+@contextmanager
+def forced_backends(backends: Sequence[str]) -> Iterator[None]:
+    """Only ``backends`` (``SDPBackend`` member names) enabled for SDPA, as
+    ``torch.nn.attention.sdpa_kernel(backends)`` enables them, through the same flags set
+    directly.
+
+    Why not ``sdpa_kernel`` itself: it costs about 10 us of Python per call (it rebuilds its
+    backend lists on entry and exit), about a sixth of a 2048-token D256 prefill's eager call
+    on a Hopper card, and an op-level speed gate would time that as the forced backend's cost;
+    a stack picks its backend once, not per call. Flags this torch lacks are left alone."""
+    flags = [(getattr(torch._C, f"_get_{name}_sdp_enabled", None),
+              getattr(torch._C, f"_set_sdp_use_{name}", None), member in backends)
+             for member, name in _SDP_FLAGS.items()]
+    flags = [(get, put, on) for get, put, on in flags if get is not None and put is not None]
+    unknown = set(backends) - set(_SDP_FLAGS)
+    if unknown:
+        raise ValueError(f"unknown SDPA backends {sorted(unknown)}; known: "
+                         f"{', '.join(_SDP_FLAGS)}")
+    before = [get() for get, _, _ in flags]
+    try:
+        for _, put, on in flags:
+            put(on)
+        yield
+    finally:
+        for (_, put, _), was in zip(flags, before, strict=True):
+            put(was)
+
+
 @contextmanager
 def _backends(device: torch.device, masked: bool,
               forced: Sequence[str] | None = None) -> Iterator[None]:
     """SDPA's backend choice for one call: ``forced`` when given, else unrestricted, except
     masked calls on CUDA."""
     if forced is not None:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel([getattr(SDPBackend, name) for name in forced]):
+        with forced_backends(forced):
             yield
         return
     if not masked or device.type != "cuda":

@@ -263,6 +263,32 @@ def test_a_backend_torch_cannot_run_skips_with_torchs_reason(backend: str) -> No
     assert "Tq=5, Tk=9" in message and "explicit mask" in message
 
 
+def test_a_forced_backend_sets_what_sdpa_kernel_sets_and_puts_it_back() -> None:
+    """forced_backends enables exactly what torch.nn.attention.sdpa_kernel enables (the same
+    flags, without its per-call Python), restores the flags after, and names unknown backends;
+    the forced call computes what the baseline's computes."""
+    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, sdpa_kernel
+
+    from dflash_kernels.attention import forced_backends, sdpa_dense
+
+    before = _cur_sdpa_kernel_backends()
+    for names in (("MATH",), ("FLASH_ATTENTION",), ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")):
+        with sdpa_kernel([getattr(SDPBackend, n) for n in names]):
+            expected = _cur_sdpa_kernel_backends()
+        with forced_backends(names):
+            assert _cur_sdpa_kernel_backends() == expected
+        assert _cur_sdpa_kernel_backends() == before
+    with pytest.raises(ValueError, match="unknown SDPA backends.*FLASH"):
+        with forced_backends(("FLASH",)):
+            pass
+    assert _cur_sdpa_kernel_backends() == before
+    q, k, v = (torch.randn(7, 4, 256), torch.randn(7, 2, 256), torch.randn(7, 2, 256))
+    ref, out = torch.empty_like(q), torch.empty_like(q)
+    sdpa_dense(q, k, v, ref, 256 ** -0.5, True)
+    sdpa_dense(q, k, v, out, 256 ** -0.5, True, backends=("MATH",))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
 @needs_hf
 def test_a_forced_backend_serves_the_models_attention_through_attention_interface() -> None:
     """Inside the model the SDPA routes are transformers attention functions: on this CPU the

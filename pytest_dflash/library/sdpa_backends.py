@@ -1,5 +1,7 @@
 """torch's own SDPA backends as ``attn.d256`` routes: flash, memory-efficient and cuDNN, each
-forced with ``torch.nn.attention.sdpa_kernel`` (contract ``AttnD256``).
+forced as ``torch.nn.attention.sdpa_kernel`` forces it, through the same flags set directly
+(``dflash_kernels.attention.forced_backends``: sdpa_kernel's own per-call Python would be timed
+as the backend's cost) (contract ``AttnD256``).
 
 The call is the baseline's (``attn.d256.sdpa``, ``dflash_kernels.attention.sdpa_dense``): the
 grouped heads as zero-copy views, ``is_causal`` for a whole causal prefill, an explicit
@@ -56,15 +58,21 @@ class SdpaBackend:
                 causal: bool) -> None:
         from dflash_kernels.attention import sdpa_dense
 
-        with warnings.catch_warnings(record=True) as told:
-            warnings.simplefilter("always")
-            try:
-                sdpa_dense(q, k, v, out, scale, causal, backends=(self.backend,))
-            except RuntimeError as exc:
-                if not any(sign in str(exc) for sign in REFUSALS):
-                    raise
-                self._unavailable(q, q.shape[0], k.shape[0], causal and q.shape[0] != k.shape[0],
-                                  exc, told)
+        try:
+            sdpa_dense(q, k, v, out, scale, causal, backends=(self.backend,))
+        except RuntimeError as exc:
+            if not any(sign in str(exc) for sign in REFUSALS):
+                raise
+            # torch tells why each backend declined in warnings: the call again, to hear them
+            # (recording warnings on every call would be timed as the backend's cost)
+            with warnings.catch_warnings(record=True) as told:
+                warnings.simplefilter("always")
+                try:
+                    sdpa_dense(q, k, v, out, scale, causal, backends=(self.backend,))
+                except RuntimeError:
+                    pass
+            self._unavailable(q, q.shape[0], k.shape[0], causal and q.shape[0] != k.shape[0],
+                              exc, told)
 
     def _unavailable(self, q: Tensor, tq: int, tk: int, masked: bool, exc: Exception,
                      told: list[warnings.WarningMessage]) -> None:
