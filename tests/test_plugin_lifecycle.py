@@ -127,6 +127,24 @@ def test_lifecycle_accept_reject_rerun_merge_refuse(
     assert (toy.path / "dflash-report.json").read_text() == before
 
 
+def test_evidence_of_another_engine_or_dtype_never_merges(toy: pytest.Pytester) -> None:
+    """The engine that computed the evidence is part of the fingerprint: a bfloat16 run of the
+    transformers engine does not merge into a report the reference engine wrote."""
+    pytest.importorskip("transformers")
+    _git(toy, "init", "-q")
+    _git(toy, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    _git(toy, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "toy")
+    assert toy.runpytest("-m", "sm70", *ROUTE).ret == pytest.ExitCode.OK
+    assert _report(toy)["fingerprint"]["engine"] == "reference"
+    before = (toy.path / "dflash-report.json").read_text()
+    result = toy.runpytest_subprocess("--dflash-gate", "toy.add.fast:parity", "--dflash-merge",
+                                      "--dflash-engine", "hf", "--dflash-dtype", "bfloat16",
+                                      "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*merge refused*(changed: engine)*"])
+    assert (toy.path / "dflash-report.json").read_text() == before
+
+
 def test_strict_fails_when_selected_candidate_is_pending(toy: pytest.Pytester) -> None:
     result = toy.runpytest("--dflash-strict", "-k", "unrelated", *ROUTE)
     assert result.ret == pytest.ExitCode.TESTS_FAILED

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 KEY_FIELDS = ("git_head", "git_dirty_sha256", "kernel_sources_sha256", "sidecar_sha256",
-              "torch", "cuda", "device")
+              "torch", "cuda", "device", "engine")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -71,6 +71,7 @@ def collect(root: Path, sidecar: Path | None) -> dict[str, Any]:
         "torch": None,
         "cuda": None,
         "device": None,
+        "engine": None,
         "libraries": [],
     }
 

@@ -101,7 +101,7 @@ def modify_items(config: pytest.Config, items: list[pytest.Item]) -> None:
         kind = marker.args[0]
         item.add_marker(kind)
         bind(item, route, kind)
-        if not serves_dtype(route, callspec.params.get("dtype")):
+        if callspec is not None and not serves_dtype(route, callspec.params.get("dtype")):
             drop.append(item)
         elif state.selected_gates and (route.name, kind) not in state.selected_gates:
             drop.append(item)

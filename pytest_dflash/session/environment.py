@@ -92,9 +92,21 @@ def fingerprint_of(config: pytest.Config) -> dict[str, Any]:
     from pytest_dflash.evidence import fingerprint
     data = fingerprint.collect(config.rootpath, settings.of(config).sidecar)
     info = device_info(config)
-    data.update(torch=info["torch"], cuda=info["cuda"], device=info["name"])
+    data.update(torch=info["torch"], cuda=info["cuda"], device=info["name"],
+                engine=engine_identity(settings.of(config)))
     data["libraries"] = _loaded_libraries()
     return data
+
+
+def engine_identity(asked: settings.Settings) -> str:
+    """What computed the model-level evidence, as far as a merge must match it: the reference
+    engine, the transformers engine with its model directory's name and compute dtype (a
+    bfloat16 run and a float32 run of one model are different evidence), or servers."""
+    if asked.serve or asked.engine_urls:
+        return "server"
+    if asked.hf_model is not None:
+        return f"transformers {asked.hf_model.name} {asked.hf_dtype or 'float32'}"
+    return "reference"
 
 
 def _loaded_libraries() -> list[dict[str, Any]]:
