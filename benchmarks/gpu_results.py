@@ -9,8 +9,9 @@ naming the card, torch, CUDA and the commit the job ran:
 
 * ``<card>-main-job-full.json``: the full-profile main job, one row per route and gate
   (status, seconds, figure), with the test seconds and the report's size in ``about``;
-* ``<card>-transformers-engine.json``: every route of ``--dflash-engine hf`` (the shipped
-  candidates and the kernel libraries' routes inside the Qwen3.5 hybrid), one row per gate;
+* ``<card>-transformers-engine.json``: every route of each ``--dflash-engine hf`` run
+  (``hf*-ci.json``: the shipped candidates and the kernel libraries' routes inside the Qwen3.5
+  hybrid), one row per gate, with the run's compute dtype;
 * ``<card>-library-routes.json``: the kernel libraries' routes alone, one row per route with
   its verdict and each gate's figure (docs/library-routes.md);
 * ``<card>-selftest-quick.json``: the quick self-test's catch table and its seconds;
@@ -75,14 +76,16 @@ def header(env: Mapping[str, Any], *, topic: str, title: str, about: str, comman
 
 
 def figure_of(tests: list[Mapping[str, Any]], limit: int = 2) -> str:
-    """The gate's figure, else (a test that failed or erred before it measured) the first
-    such test's message: a row never reads blank."""
+    """The gate's figure, else the first message of a test that failed or erred before it
+    measured, else of one that was skipped (a pending gate's reason): a row never reads
+    blank."""
     figure = gate_figure(tests, limit=limit)
     if figure:
         return figure
-    for test in tests:
-        if test.get("outcome") in ("failed", "error") and test.get("message"):
-            return test["message"].splitlines()[0][:200]
+    for outcomes in (("failed", "error"), ("skipped", "inconclusive")):
+        for test in tests:
+            if test.get("outcome") in outcomes and test.get("message"):
+                return test["message"].splitlines()[0][:200]
     return ""
 
 
@@ -119,6 +122,20 @@ def verdict_rows(report: Mapping[str, Any], routes: list[str]) -> list[list[Any]
             parts.append(f"{kind} {status}: {figure_of(tests, limit=1) if tests else '-'}")
         rows.append([name, entry.get("verdict", "?"), " | ".join(parts)])
     return rows
+
+
+def compute_dtype(report: Mapping[str, Any], folder: Path, stage: str) -> str:
+    """The transformers engine's compute dtype of a run: from the report's fingerprint, else
+    (a report from before the engine was fingerprinted) from the stage's command line."""
+    engine = str(report.get("fingerprint", {}).get("engine") or "")
+    if engine.startswith("transformers "):
+        return engine.rsplit(" ", 1)[-1]
+    log = folder / "stages.log"
+    for line in log.read_text().splitlines() if log.exists() else []:
+        if line.startswith(f"== {stage}: "):
+            found = re.search(r"--dflash-dtype[ =](\w+)", line)
+            return found.group(1) if found else "float32"
+    return "float32"
 
 
 def tests_of(report: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -171,38 +188,50 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("no main-full.json: main job result not written")
 
-    hf_report = folder / "hf-ci.json"
-    if hf_report.exists():
-        rep = reports.load(hf_report)
-        wall = walls.get("hf", {})
+    hf_reports = sorted(folder.glob("hf*-ci.json"))
+    if hf_reports:
+        engine_rows: list[list[Any]] = []
+        library_rows: list[list[Any]] = []
+        names = [route.name for route in CANDIDATES]
+        runs = []
+        for path in hf_reports:
+            rep = reports.load(path)
+            stage = path.name.removesuffix("-ci.json")
+            dtype = compute_dtype(rep, folder, stage)
+            wall = walls.get(stage, {})
+            runs.append(f"{stage}: {dtype}, {test_seconds(rep)} s of tests "
+                        f"({wall.get('seconds', '?')} s wall, exit {wall.get('rc', '?')})")
+            engine_rows += [[row[0], dtype, *row[1:]] for row in gate_rows(rep)]
+            library_rows += [[row[0], dtype, *row[1:]] for row in
+                             verdict_rows(rep, [n for n in names if n in rep["routes"]])]
         about = (f"pytest -m sm70 --dflash-engine hf on the GPU, ci profile, with the "
-                 f"gpu-routes extra: every route registered with the transformers engine "
-                 f"(the shipped candidates and the kernel libraries' routes) inside the tiny "
-                 f"Qwen3.5-architecture hybrid shipped with the package, transformers "
-                 f"{env.get('transformers')}. {test_seconds(rep)} s of tests "
-                 f"({wall.get('seconds', '?')} s wall, exit {wall.get('rc', '?')}).")
+                 f"gpu-routes extra, inside the tiny Qwen3.5-architecture hybrid shipped with "
+                 f"the package, transformers {env.get('transformers')}; one pytest run per "
+                 f"compute dtype ({'; '.join(runs)}).")
         write(f"{slug}-transformers-engine.json", {
             **header(env, topic="transformers engine",
-                     title=f"Every route inside the Qwen3.5 hybrid on one {env['card']}",
+                     title=f"Routes inside the Qwen3.5 hybrid on one {env['card']}",
                      about=about, command="pytest -m sm70 --dflash-device cuda --dflash-engine "
-                     "hf --dflash-profile ci", **common),
-            "values": {"columns": ["route", "gate", "status", "seconds", "figure"],
-                       "rows": gate_rows(rep)}})
-        names = [route.name for route in CANDIDATES]
-        write(f"{slug}-library-routes.json", {
-            **header(env, topic="kernel libraries",
-                     title=f"Kernel libraries as routes on one {env['card']}",
-                     about="The verdict of each kernel library's route inside the Qwen3.5 "
-                           "hybrid, with each required gate's status and figure (ci profile; "
-                           f"transformers {env.get('transformers')}, fla-core "
-                           f"{env.get('fla')}, liger-kernel {env.get('liger_kernel')}).",
-                     command="pip install 'pytest-dflash[hf,gpu-routes]' && pytest -m sm70 "
-                             "--dflash-device cuda --dflash-engine hf --dflash-profile ci",
+                     "hf --dflash-profile ci [--dflash-dtype bfloat16] --dflash-route ...",
                      **common),
-            "values": {"columns": ["route", "verdict", "gates"],
-                       "rows": verdict_rows(rep, names)}})
+            "values": {"columns": ["route", "dtype", "gate", "status", "seconds", "figure"],
+                       "rows": engine_rows}})
+        if library_rows:
+            write(f"{slug}-library-routes.json", {
+                **header(env, topic="kernel libraries",
+                         title=f"Kernel libraries as routes on one {env['card']}",
+                         about="The verdict of each kernel library's route inside the Qwen3.5 "
+                               "hybrid, with each required gate's status and figure (ci "
+                               f"profile; transformers {env.get('transformers')}, fla-core "
+                               f"{env.get('fla')}, liger-kernel {env.get('liger_kernel')}), "
+                               "in the compute dtype of its run.",
+                         command="pip install 'pytest-dflash[hf,gpu-routes]' && pytest -m sm70 "
+                                 "--dflash-device cuda --dflash-engine hf --dflash-profile ci "
+                                 "[--dflash-dtype bfloat16]", **common),
+                "values": {"columns": ["route", "dtype", "verdict", "gates"],
+                           "rows": library_rows}})
     else:
-        print("no hf-ci.json: transformers engine results not written")
+        print("no hf*-ci.json: transformers engine results not written")
 
     for stem, stage, title, command in (
             ("selftest-quick", "selftest", "Quick self-test",
