@@ -148,10 +148,9 @@ def test_seconds(report: Mapping[str, Any]) -> float:
     return round(sum(t.get("duration_s") or 0 for t in tests_of(report)), 1)
 
 
-def write(name: str, data: dict[str, Any]) -> None:
-    path = RESULTS / name
+def write(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {path.relative_to(ROOT)}")
+    print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--commit", required=True)
     parser.add_argument("--date", default=datetime.date.today().isoformat())
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="where the result files go (default benchmarks/results)")
     args = parser.parse_args(argv)
+    results: Path = args.results
     folder: Path = args.folder
     env = json.loads((folder / "env.json").read_text())
     slug, walls = card_slug(env["card"]), stages(folder)
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"report is {size:,} bytes ({size / 2**20:.2f} MiB). Native libraries built "
                  "beforehand (pytest-dflash build). One row per route and gate: the status, "
                  "the seconds of its tests and its figure.")
-        write(f"{slug}-main-job-full.json", {
+        write(results / f"{slug}-main-job-full.json", {
             **header(env, topic="main job", title=f"Full-profile main job on one {env['card']}",
                      about=about, command="pytest -m sm70 --dflash-device cuda "
                      "--dflash-profile full --dflash-report main-full.json", **common),
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"gpu-routes extra, inside the tiny Qwen3.5-architecture hybrid shipped with "
                  f"the package, transformers {env.get('transformers')}; one pytest run per "
                  f"compute dtype ({'; '.join(runs)}).")
-        write(f"{slug}-transformers-engine.json", {
+        write(results / f"{slug}-transformers-engine.json", {
             **header(env, topic="transformers engine",
                      title=f"Routes inside the Qwen3.5 hybrid on one {env['card']}",
                      about=about, command="pytest -m sm70 --dflash-device cuda --dflash-engine "
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             "values": {"columns": ["route", "dtype", "gate", "status", "seconds", "figure"],
                        "rows": engine_rows}})
         if library_rows:
-            write(f"{slug}-library-routes.json", {
+            write(results / f"{slug}-library-routes.json", {
                 **header(env, topic="kernel libraries",
                          title=f"Kernel libraries as routes on one {env['card']}",
                          about="The verdict of each kernel library's route inside the Qwen3.5 "
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{wall.get('rc', '?')}). Per route and gate: the route's own status, its "
                  "unchanged copy's, and each planted defect: caught (failed, or inconclusive "
                  "for a timing gate) or missed (passed).")
-        write(f"{slug}-{stem}.json", {
+        write(results / f"{slug}-{stem}.json", {
             **header(env, topic="self-test", title=f"{title} on one {env['card']}",
                      about=about, command=command, **common),
             "values": {"columns": ["route", "gate", "route status", "unchanged copy",
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                     c = keys[key]
                     rows.append([route, kind, key, sum(c.values()), c["pass"],
                                  c["inconclusive"], c["fail"], c["error"] + c["pending"]])
-        write(f"{slug}-timing-aa.json", {
+        write(results / f"{slug}-timing-aa.json", {
             **header(env, topic="timing error rates",
                      title=f"A/A control and planted slowdowns over {len(runs)} runs "
                            f"(full profile, {env['card']})",

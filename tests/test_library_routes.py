@@ -118,6 +118,25 @@ def test_the_gpu_command_on_a_cpu_ends_pending_with_the_reason(tmp_path: Path) -
             assert gate["status"] == "pending", (name, kind, gate["status"])
             messages = " ".join(t["message"] or "" for t in gate["tests"])
             assert "needs a CUDA device" in messages or probes.EXTRA in messages, messages
+    # the GPU job's result script reads this report as it reads a GPU run's: every library
+    # route in a row, with its run's dtype, its verdict and each pending gate's reason
+    from benchmark_scripts import script
+
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "hf-ci.json").write_bytes(report.read_bytes())
+    (job / "env.json").write_text(json.dumps({"card": "cpu", "capability": "n/a",
+                                              "torch": torch.__version__, "cuda": None,
+                                              "python": sys.version.split()[0]}))
+    (job / "stages.log").write_text(f"== hf: {' '.join(args)}\nhf rc=0 seconds=1.0\n")
+    out = tmp_path / "results"
+    out.mkdir()
+    assert script("gpu_results").main([str(job), "--commit", "abc1234", "--date",
+                                       "2026-12-06", "--results", str(out)]) == 0
+    rows = json.loads((out / "cpu-library-routes.json").read_text())["values"]["rows"]
+    assert [row[:3] for row in rows] == [[name, "float32", "pending"] for name in routes]
+    for row in rows:
+        assert "needs a CUDA device" in row[3] or probes.EXTRA in row[3], row
 
 
 def test_a_backend_without_float32_is_judged_on_the_dtypes_it_takes(tmp_path: Path) -> None:
