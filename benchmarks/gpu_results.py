@@ -63,7 +63,7 @@ def stages(folder: Path) -> dict[str, dict[str, float]]:
 
 
 def header(env: Mapping[str, Any], *, topic: str, title: str, about: str, command: str,
-           commit: str, date: str) -> dict[str, Any]:
+           commit: str | list[str], date: str) -> dict[str, Any]:
     libs = ", ".join(f"{k} {env[k]}" for k in ("transformers", "triton", "fla", "liger_kernel")
                      if k in env and not str(env[k]).startswith("not importable"))
     return {"schema": SCHEMA, "kind": "measured", "topic": topic, "title": title,
@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     folder: Path = args.folder
     env = json.loads((folder / "env.json").read_text())
     slug, walls = card_slug(env["card"]), stages(folder)
-    common = {"commit": args.commit, "date": args.date}
+    # runs of one folder made on different commits: --commit A,B (the result file lists both)
+    commits = args.commit.split(",")
+    common = {"commit": commits if len(commits) > 1 else commits[0], "date": args.date}
 
     main_report = folder / "main-full.json"
     if main_report.exists():
