@@ -139,6 +139,7 @@ def test_the_gpu_command_on_a_cpu_ends_pending_with_the_reason(tmp_path: Path) -
         assert "needs a CUDA device" in row[3] or probes.EXTRA in row[3], row
 
 
+@needs_hf
 def test_a_backend_without_float32_is_judged_on_the_dtypes_it_takes(tmp_path: Path) -> None:
     """flash and cuDNN declare float16/bfloat16 (Route.dtypes): their float32 parity tests are
     deselected, not left pending forever; the memory-efficient backend keeps every dtype."""
