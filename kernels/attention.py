@@ -205,6 +205,12 @@ _MASKED_CUDA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 # ``_set_sdp_use_<s>``): the flags ``torch.nn.attention.sdpa_kernel`` sets
 _SDP_FLAGS = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "mem_efficient",
               "MATH": "math", "CUDNN_ATTENTION": "cudnn", "OVERRIDEABLE": "overrideable"}
+# (member, getter, setter) of every flag this torch has, looked up once
+_SDP_SWITCHES = [(member, getattr(torch._C, f"_get_{name}_sdp_enabled", None),
+                  getattr(torch._C, f"_set_sdp_use_{name}", None))
+                 for member, name in _SDP_FLAGS.items()]
+_SDP_SWITCHES = [(m, get, put) for m, get, put in _SDP_SWITCHES
+                 if get is not None and put is not None]
 
 
 @contextmanager
@@ -214,24 +220,20 @@ def forced_backends(backends: Sequence[str]) -> Iterator[None]:
     directly.
 
     Why not ``sdpa_kernel`` itself: it costs about 10 us of Python per call (it rebuilds its
-    backend lists on entry and exit), about a sixth of a 2048-token D256 prefill's eager call
+    backend lists on entry and exit), a sixth or so of a 2048-token D256 prefill's eager call
     on a Hopper card, and an op-level speed gate would time that as the forced backend's cost;
     a stack picks its backend once, not per call. Flags this torch lacks are left alone."""
-    flags = [(getattr(torch._C, f"_get_{name}_sdp_enabled", None),
-              getattr(torch._C, f"_set_sdp_use_{name}", None), member in backends)
-             for member, name in _SDP_FLAGS.items()]
-    flags = [(get, put, on) for get, put, on in flags if get is not None and put is not None]
     unknown = set(backends) - set(_SDP_FLAGS)
     if unknown:
         raise ValueError(f"unknown SDPA backends {sorted(unknown)}; known: "
                          f"{', '.join(_SDP_FLAGS)}")
-    before = [get() for get, _, _ in flags]
+    before = [get() for _, get, _ in _SDP_SWITCHES]
     try:
-        for _, put, on in flags:
-            put(on)
+        for member, _, put in _SDP_SWITCHES:
+            put(member in backends)
         yield
     finally:
-        for (_, put, _), was in zip(flags, before, strict=True):
+        for (_, _, put), was in zip(_SDP_SWITCHES, before, strict=True):
             put(was)
 
 

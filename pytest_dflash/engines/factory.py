@@ -54,7 +54,7 @@ class EngineFactory:
     @property
     def kind(self) -> str:
         if self.hf_model is not None:
-            return f"transformers ({self.hf_model}, {self.hf_dtype or 'float32'})"
+            return f"transformers ({self.hf_model})"
         if self.pool is None:
             return "reference"
         return "server (--dflash-serve)" if self.pool.command else "server (--dflash-engine-url)"
