@@ -286,6 +286,22 @@ def test_missing_report_exit_2(tmp_path: Path) -> None:
     assert "no such report" in done.stderr
 
 
+def test_a_reader_that_stops_reading_is_no_traceback(tmp_path: Path) -> None:
+    """`pytest-dflash verdict REPORT | head -1`: the reader has closed the pipe before the CLI
+    writes; the CLI stops quietly (exit 1), no traceback."""
+    report = _report(tmp_path, "a.json", "passed", "failed")
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest_dflash.cli", "verdict", str(report)],
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+                              cwd=REPO)
+    finally:
+        os.close(write)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
 def test_build_failure_is_a_message_with_the_log_path(tmp_path: Path) -> None:
     # `false` is a real program that accepts any arguments and fails, as a broken compiler does
     done = _cli("build", "--cache-dir", str(tmp_path / "cache"), env={"CXX": "false"})

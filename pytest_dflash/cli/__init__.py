@@ -259,8 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(run=_serve)
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        status = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
     except reports.ReportError as exc:
         print(f"pytest-dflash: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader stopped reading (``pytest-dflash diff A B | head``): not an error of ours;
+        # stdout goes to devnull so the interpreter's own flush at exit cannot raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
