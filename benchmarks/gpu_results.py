@@ -149,6 +149,7 @@ def test_seconds(report: Mapping[str, Any]) -> float:
 
 
 def write(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {path}")
 
