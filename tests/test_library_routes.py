@@ -246,7 +246,6 @@ def test_the_selected_route_computes_the_deltanet_layers_counted_inside_them() -
 def test_liger_reaches_one_model_and_leaves_transformers_classes_alone() -> None:
     if not probes.installed("liger_kernel"):
         pytest.skip("liger-kernel not installed: pip install 'pytest-dflash[gpu-routes]'")
-    from pytest_dflash.engines import EngineUnsupported
     from pytest_dflash.engines import transformers as hf
     from pytest_dflash.engines.transformers_library import apply_liger, modelling_module
 
@@ -261,10 +260,54 @@ def test_liger_reaches_one_model_and_leaves_transformers_classes_alone() -> None
     assert norm.offset == 1.0  # Liger's Qwen3.5 setting
     fresh = _model()
     assert "forward" not in vars(fresh.model.norm)  # transformers' own forward
+    # Liger's SwiGLU MLP replaces the checkpoint's MLPs of one engine's model, each counted
     registry = hf_registry()
-    with pytest.raises(EngineUnsupported, match="family gemm.nvfp4"):
-        hf.build(hf.default_model_dir(), {**registry.engine_selection(),
-                                          "norm_mlp": "norm_mlp.liger_swiglu"},
+    engine = hf.build(hf.default_model_dir(), {**registry.engine_selection(),
+                                               "norm_mlp": "norm_mlp.liger_swiglu"},
+                      "quick", registry=registry)
+    mlps = [m for m in engine.model.modules() if type(m) is module.Qwen3_5MLP]
+    assert engine.mlps == len(mlps) > 0
+    assert all(m.forward.__name__ == "counted" for m in mlps)
+    assert {k: v for k, v in vars(module).items() if k in classes} == classes
+
+
+@needs_hf
+def test_liger_swiglu_is_compared_on_the_checkpoint_mlps_of_both_engines() -> None:
+    """Liger's SwiGLU swaps the SiLU-mul, which gemm.nvfp4 fuses into its GEMM, so the route
+    and its baseline norm_mlp.torch_mlp both serve the checkpoint's own MLPs: the baseline
+    engine computes what the plain transformers model computes (no NVFP4 left), its MLP calls
+    are counted inside the MLPs under its name, every other engine keeps NVFP4 MLPs, and a
+    gemm.nvfp4 candidate cannot be combined with it."""
+    from pytest_dflash.engines import EngineUnsupported
+    from pytest_dflash.engines import transformers as hf
+    from pytest_dflash.engines.transformers_mlp import NVFP4MLP
+
+    registry = hf_registry()
+    assert registry.get("norm_mlp.liger_swiglu").baseline == "norm_mlp.torch_mlp"
+    # the family's own baseline runs in every engine; torch_mlp is a candidate's ground only
+    assert registry.engine_selection()["norm_mlp"] == "norm_mlp.torch"
+    selection = registry.engine_selection(["norm_mlp.torch_mlp"])
+    assert selection["norm_mlp"] == "norm_mlp.torch_mlp"
+    ground = hf.build(hf.default_model_dir(), selection, "quick", registry=registry)
+    default = hf.build(hf.default_model_dir(), registry.engine_selection(), "quick",
+                       registry=registry)
+    assert not any(isinstance(m, NVFP4MLP) for m in ground.model.modules())
+    assert ground.mlps == default.mlps == sum(isinstance(m, NVFP4MLP)
+                                              for m in default.model.modules()) > 0
+    ids = ground.encode("def add(a, b):\n    return a + b\n" * 2, add_special_tokens=True)
+    scored = {name: torch.tensor(engine.score(ids))
+              for name, engine in (("ground", ground), ("default", default))}
+    with torch.inference_mode():
+        logp = torch.log_softmax(_model()(torch.tensor([ids])).logits[0, :-1].double(), -1)
+    plain = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert float((scored["ground"].double() - plain).abs().max()) < 1e-4
+    assert float((scored["default"].double() - plain).abs().max()) > 1e-3  # NVFP4 codes
+    hits = ground.route_hits()
+    assert hits["norm_mlp.torch_mlp:mlp"] == ground.mlps * 1  # one scoring forward
+    assert not any(key.startswith("gemm.nvfp4") for key in hits), hits
+    with pytest.raises(EngineUnsupported, match="separate runs"):
+        hf.build(hf.default_model_dir(),
+                 registry.engine_selection(["norm_mlp.torch_mlp", "gemm.nvfp4.qpn2"]),
                  "quick", registry=registry)
 
 

@@ -386,8 +386,10 @@ class TransformersEngine:
         from pytest_dflash.engines.transformers_mlp import quantize_mlps
 
         self.attention_served_by = served_by(attention) or attention
-        self._switch_libraries(selection, registry)
-        self.mlps = quantize_mlps(self.model, self.gemm_route, self.gemm)
+        # a norm_mlp route that serves the checkpoint's MLPs (liger_swiglu and its baseline)
+        # leaves them unquantized; everywhere else gemm.nvfp4 serves them
+        self.mlps = (self._switch_libraries(selection, registry)
+                     or quantize_mlps(self.model, self.gemm_route, self.gemm))
         # the cache argument's name: ``cache`` from transformers 5.x on, ``past_key_values``
         # before (the older name is deprecated there)
         import inspect
@@ -442,11 +444,17 @@ class TransformersEngine:
                 "the reference engine")
         return self.settings.attn_implementation
 
-    def _switch_libraries(self, selection: Mapping[str, str], registry: RouteRegistry) -> None:
+    def _switch_libraries(self, selection: Mapping[str, str], registry: RouteRegistry) -> int:
         """The library families' routes inside this model: ``linear.gdn`` at transformers'
         gated-DeltaNet dispatch points while this engine runs, ``norm_mlp`` through Liger's
-        patch of this model's modules (``pytest_dflash.engines.transformers_library``)."""
-        from pytest_dflash.engines.transformers_library import GdnSwitch, apply_liger
+        patch of this model's modules (``pytest_dflash.engines.transformers_library``).
+        Returns how many gated MLPs the norm_mlp route serves in the checkpoint's weights
+        (0: gemm.nvfp4 serves them)."""
+        from pytest_dflash.engines.transformers_library import (
+            GdnSwitch,
+            apply_liger,
+            count_checkpoint_mlps,
+        )
         from pytest_dflash.library.norm_mlp import liger_parts
 
         self.gdn: Any = None
@@ -456,17 +464,25 @@ class TransformersEngine:
             self.selection[GDN] = gdn[0]
         norm = library_route(selection, registry, NORM_MLP)
         if norm is None:
-            return
+            return 0
         self.selection[NORM_MLP] = norm[0]
         parts = liger_parts(norm[1])
-        if parts["swiglu"]:
+        checkpoint = bool(getattr(norm[1], "checkpoint_mlps", False))
+        if parts["swiglu"] and not checkpoint:
             raise EngineUnsupported(
-                f"route {norm[0]} cannot be applied in this engine: every gated MLP here is "
-                f"served by family {GEMM} (NVFP4 codes, silu(gate) * up fused into the route's "
-                "gate_up), so Liger's SwiGLU MLP has no MLP to replace; its op-level parity "
-                "gate judges it")
-        if parts["rms_norm"]:
-            apply_liger(self.model, norm[0], rms_norm=True, swiglu=False)
+                f"route {norm[0]} swaps the gated MLPs' SiLU-mul, which gemm.nvfp4 fuses into "
+                "its gate_up here; a route that swaps it must serve the checkpoint's MLPs "
+                "(checkpoint_mlps = True) and name a baseline that does too")
+        if parts["rms_norm"] or parts["swiglu"]:
+            apply_liger(self.model, norm[0], **parts)
+        if not checkpoint:
+            return 0
+        if self.gemm_route != registry.role(GEMM, "baseline").name:
+            raise EngineUnsupported(
+                f"route {norm[0]} serves the checkpoint's gated MLPs, so {self.gemm_route} has "
+                f"no MLP to serve in this engine: gate {self.gemm_route} and {norm[0]} in "
+                "separate runs")
+        return count_checkpoint_mlps(self.model, norm[0])
 
     # ------------------------------------------------------------------------- helpers
     def _new_cache(self, max_len: int) -> Any:

@@ -11,7 +11,9 @@ the torch code even where fla is installed. Each call is counted on the calling 
 
 **Liger (family ``norm_mlp``).** :func:`apply_liger` runs ``apply_liger_kernel_to_qwen3_5`` on
 one model instance and then restores the module-level classes it also replaces, so models built
-later (the baseline's) keep transformers' own; each patched norm counts its calls.
+later (the baseline's) keep transformers' own; each patched norm counts its calls. A route that
+serves the checkpoint's gated MLPs (Liger's SwiGLU and its baseline ``norm_mlp.torch_mlp``)
+counts each MLP's calls under its name (:func:`count_checkpoint_mlps`).
 """
 
 from __future__ import annotations
@@ -182,7 +184,26 @@ def apply_liger(model: Any, route_name: str, rms_norm: bool, swiglu: bool) -> in
         for norm in norms:
             _count_forward(norm, route_name, "rms_norm")
             patched += 1
+    if swiglu:
+        patched += sum(mlp.forward.__func__ is not module.Qwen3_5MLP.forward
+                       for mlp in model.modules() if type(mlp) is module.Qwen3_5MLP)
     return patched
+
+
+def count_checkpoint_mlps(model: Any, route_name: str) -> int:
+    """Count every call of the model's gated MLPs (transformers' own ``Qwen3_5MLP`` modules,
+    as a route may have patched their forward) under ``route_name`` (op ``mlp``); returns how
+    many. None found is EngineUnsupported: the route would silently serve nothing."""
+    module = modelling_module()
+    mlps = [m for m in model.modules() if type(m) is module.Qwen3_5MLP]
+    if not mlps:
+        raise EngineUnsupported(
+            f"route {route_name} serves a Qwen3.5 model's gated MLPs; "
+            f"{type(model).__name__} has no Qwen3_5MLP: gate it on the default "
+            "--dflash-engine hf model")
+    for mlp in mlps:
+        _count_forward(mlp, route_name, "mlp")
+    return len(mlps)
 
 
 def _count_forward(module: Any, route_name: str, op: str) -> None:

@@ -7,7 +7,14 @@ MLP (contract ``pytest_dflash.routes.families.NormMlp``), served by Liger's Trit
   weight: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32) and ``silu(gate) * up``;
 - ``norm_mlp.liger_rmsnorm``: ``LigerRMSNormFunction`` with the offset 1 and the "gemma"
   casting Liger's Qwen3.5 patch uses;
-- ``norm_mlp.liger_swiglu``: ``LigerSiLUMulFunction``, the activation of Liger's SwiGLU MLP.
+- ``norm_mlp.liger_swiglu``: ``LigerSiLUMulFunction``, the activation of Liger's SwiGLU MLP;
+- ``norm_mlp.torch_mlp``: the baseline's code, naming the ground liger_swiglu is compared on.
+
+``checkpoint_mlps``: the route serves the model's gated MLPs in the checkpoint's own weights,
+so an engine leaves them unquantized instead of serving them through ``gemm.nvfp4`` (whose
+``gate_up`` fuses ``silu(gate) * up`` into the GEMM, leaving no SiLU-mul to swap). Liger's
+SwiGLU route and its baseline ``norm_mlp.torch_mlp`` both set it, so the two engines of its
+gates differ in the SiLU-mul alone.
 
 ``liger`` says which parts of ``apply_liger_kernel_to_qwen3_5`` a route switches on in a model
 (``pytest_dflash.engines.transformers_library.apply_liger``). Every call records a hit under the
@@ -33,6 +40,7 @@ class NormMlpRoute:
     route = ""
     own: frozenset[str] = frozenset({"rms_norm", "swiglu"})
     liger: dict[str, bool] = {}
+    checkpoint_mlps = False
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """Qwen3.5's RMSNorm of x over its last dim with a zero-centred weight, in x's dtype."""
@@ -93,6 +101,13 @@ class TorchNormMlp(NormMlpRoute):
         return ACT2FN["silu"](gate) * up
 
 
+class TorchMlp(TorchNormMlp):
+    """The baseline's code on the checkpoint's MLPs: transformers' own ``Qwen3_5MLP``."""
+
+    route = f"{FAMILY}.torch_mlp"
+    checkpoint_mlps = True
+
+
 class LigerRmsNorm(NormMlpRoute):
     route = f"{FAMILY}.liger_rmsnorm"
     own = frozenset({"rms_norm"})
@@ -108,6 +123,7 @@ class LigerSwiglu(NormMlpRoute):
     route = f"{FAMILY}.liger_swiglu"
     own = frozenset({"swiglu"})
     liger = {"rms_norm": False, "swiglu": True}
+    checkpoint_mlps = True
 
     def _swiglu(self, gate, up):
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
@@ -122,5 +138,6 @@ def liger_parts(impl: Any) -> dict[str, bool]:
 
 ORACLE = OracleNormMlp()
 TORCH = TorchNormMlp()
+TORCH_MLP = TorchMlp()
 LIGER_RMSNORM = LigerRmsNorm()
 LIGER_SWIGLU = LigerSwiglu()

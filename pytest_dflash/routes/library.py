@@ -56,6 +56,11 @@ REFERENCES: tuple[Route, ...] = (
     Route(f"{NORM_MLP}.torch", NORM_MLP, "baseline", impl=f"{_NORM}:TORCH",
           default_enabled=True,
           description="transformers' Qwen3_5RMSNorm and its MLP's silu(gate) * up"),
+    # the ground of norm_mlp.liger_swiglu: an engine's gated MLPs are otherwise NVFP4 codes with
+    # silu(gate) * up fused into gemm.nvfp4's gate_up, where no SiLU-mul can be swapped
+    Route(f"{NORM_MLP}.torch_mlp", NORM_MLP, "baseline", impl=f"{_NORM}:TORCH_MLP",
+          description="transformers' own Qwen3_5MLP in the checkpoint's weights (no NVFP4): "
+                      "the baseline Liger's SwiGLU MLP is compared with"),
 )
 
 CANDIDATES: tuple[Route, ...] = (
@@ -78,7 +83,7 @@ CANDIDATES: tuple[Route, ...] = (
           gates=("parity", *MODEL_LEVEL), impl=f"{_NORM}:LIGER_RMSNORM",
           probe=f"{_PROBE}:liger",
           description="Liger's RMSNorm (offset 1, gemma casting), apply_liger_kernel_to_qwen3_5"),
-    Route(f"{NORM_MLP}.liger_swiglu", NORM_MLP, "candidate", baseline=f"{NORM_MLP}.torch",
+    Route(f"{NORM_MLP}.liger_swiglu", NORM_MLP, "candidate", baseline=f"{NORM_MLP}.torch_mlp",
           gates=("parity", "ppl", "quality"), impl=f"{_NORM}:LIGER_SWIGLU",
           probe=f"{_PROBE}:liger",
           description="Liger's SiLU-mul of its SwiGLU MLP, apply_liger_kernel_to_qwen3_5"),

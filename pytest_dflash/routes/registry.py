@@ -301,8 +301,13 @@ class RouteRegistry:
         return matches[0]
 
     def engine_selection(self, names: Iterable[str] = ()) -> dict[str, str]:
-        """Family -> route for an engine: every family's baseline, then the named overrides."""
-        selection = {r.family: r.name for r in self if r.role == "baseline"}
+        """Family -> route for an engine: every family's baseline, then the named overrides.
+
+        A family may register more than one route of role baseline: the family's own (declared,
+        else its first) runs in every engine; another is the ground a candidate names as its
+        ``baseline`` when it must be compared on something else (norm_mlp.torch_mlp)."""
+        selection = {family: self.role(family, "baseline").name for family in self.families()
+                     if any(r.role == "baseline" for r in self.family(family))}
         for name in names:
             route = self.get(name)
             selection[route.family] = route.name
