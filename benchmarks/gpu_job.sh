@@ -18,6 +18,9 @@
 # aa        the timing calibration self-test 10 times: qpn2_packed's validation_cost A/A copy
 #           and its 2% and 5% planted slowdowns
 # pack      reports, logs and the build cache into $OUT
+#
+# Each stage refreshes $OUT/logs.tgz (every log and stages.log) when it ends, so a call that is
+# stopped by its own time limit still brings back the logs of the stages that finished.
 set -u
 OUT="${OUT:?set OUT}"
 WORK="${WORK:-/tmp/dflash-gpu}"
@@ -35,6 +38,9 @@ timed() {  # timed NAME LIMIT_S COMMAND...: run, log, and note seconds and exit 
     local ms=$(( ($(date +%s%N) - start) / 1000000 ))
     echo "$name rc=$rc seconds=$((ms / 1000)).$(( (ms % 1000) / 100 ))" | tee -a "$WORK/stages.log"
     tail -n 25 "$WORK/$name.log"
+    # every stage's log in $OUT at once: a call stopped later by its own limit keeps them
+    tar -czf "$OUT/logs.tgz" -C "$WORK" --exclude='*.json' . 2>/dev/null
+    [ -f "$WORK/env.json" ] && cp "$WORK/env.json" "$OUT/"
 }
 
 for stage in "$@"; do
