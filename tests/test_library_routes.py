@@ -5,7 +5,8 @@ sessions only, every library implementation meets its family contract, on this m
 candidate ends pending with the reason (never passed, never crashed), transformers' own
 gated-DeltaNet dispatch point is swapped for the selected route while its engine runs and put
 back afterwards (the oracle route really computes the model's DeltaNet layers, counted from
-inside each layer), Liger's patch reaches one model only, a forced SDPA backend that torch
+inside each layer), Liger's patch reaches one model only, a SiLU-mul route is compared on
+the checkpoint's own MLPs (a correct one accepted, a planted one rejected by parity and ppl), a forced SDPA backend that torch
 cannot run here skips with torch's reason, the linear.gdn parity suite accepts a correct route
 and rejects one that drops its state, and the self-test's planted gated-delta-rule defects
 change what the served route computes. The kernels themselves (fla, Liger, the CUDA SDPA
@@ -482,6 +483,61 @@ def test_the_self_test_plants_gated_delta_rule_defects_that_change_the_result() 
         out, _ = impl.chunk(*args, True, True)
         ok = check_parity(out, want[0], None, policy=Policy(), dtype="float32", label=key).ok
         assert ok == (defect is None), key
+
+
+# an outside project's SiLU-mul routes on the checkpoint's MLPs, as liger_swiglu is compared:
+# a correct one, and one whose activation drops the gate's own factor (sigmoid(g) * up)
+SWIGLU_ROUTES = '''
+from pytest_dflash import Route
+from pytest_dflash.library.norm_mlp import NormMlpRoute
+
+class Swiglu(NormMlpRoute):
+    own = frozenset({"swiglu"})
+    checkpoint_mlps = True
+
+    def __init__(self, route, planted=False):
+        self.route, self.planted = route, planted
+
+    def _swiglu(self, gate, up):
+        import torch
+        return (torch.sigmoid(gate) if self.planted else torch.nn.functional.silu(gate)) * up
+
+def pytest_dflash_routes(registry):
+    for name, planted in (("norm_mlp.mine", False), ("norm_mlp.mine_sigmoid", True)):
+        registry.register(Route(name, "norm_mlp", "candidate", baseline="norm_mlp.torch_mlp",
+                                gates=("parity", "ppl"), impl=Swiglu(name, planted)))
+'''
+
+
+@needs_hf
+def test_a_swiglu_route_on_the_checkpoint_mlps_is_judged_inside_the_model(
+        pytester: pytest.Pytester) -> None:
+    """The ppl and parity gates of SiLU-mul routes compared as liger_swiglu is, in a real
+    transformers-engine session: the correct route is accepted with its calls counted inside
+    the MLPs (its own swiglu serving each), the planted one is rejected by both gates."""
+    pytester.makepyfile(swiglu_routes=SWIGLU_ROUTES)
+    pytester.syspathinsert()
+    report = pytester.path / "swiglu-report.json"
+    result = pytester.runpytest_subprocess(
+        "-p", "swiglu_routes", "--pyargs", "dflash_suites.test_ppl",
+        "dflash_suites.test_parity_norm_mlp", "--dflash-engine", "hf",
+        "--dflash-route", "norm_mlp.mine", "--dflash-route", "norm_mlp.mine_sigmoid",
+        "--dflash-profile", "quick", "--dflash-report", str(report), "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
+    routes = json.loads(report.read_text())["routes"]
+    assert routes["norm_mlp.mine"]["verdict"] == "accept", routes["norm_mlp.mine"]
+    assert routes["norm_mlp.mine_sigmoid"]["verdict"] == "reject"
+    for gate in ("parity", "ppl"):
+        tests = routes["norm_mlp.mine_sigmoid"]["gates"][gate]["tests"]
+        assert tests and any(t["outcome"] == "failed" for t in tests), (gate, tests)
+    # the planted route changes perplexity only because its swiglu serves the model's MLPs
+    for test in routes["norm_mlp.mine"]["gates"]["ppl"]["tests"]:
+        measured = test["measurements"]
+        assert measured["candidate_route_hits"] > 0, test
+        baseline, candidate = (e["selection"]["norm_mlp"] for e in measured["engines"])
+        assert (baseline, candidate) == ("norm_mlp.torch_mlp", "norm_mlp.mine")
+        if "heldout" in test["nodeid"]:  # silu(gate) * up, as transformers' own MLP computes
+            assert measured["max_ppl_rel_delta"] < 1e-6, measured["figure"]
 
 
 @needs_hf

@@ -482,7 +482,9 @@ class TransformersEngine:
                 f"route {norm[0]} serves the checkpoint's gated MLPs, so {self.gemm_route} has "
                 f"no MLP to serve in this engine: gate {self.gemm_route} and {norm[0]} in "
                 "separate runs")
-        return count_checkpoint_mlps(self.model, norm[0])
+        # Liger's route runs Liger's MLP forward; another that owns the SiLU-mul calls it
+        own = "swiglu" in getattr(norm[1], "own", ()) and not parts["swiglu"]
+        return count_checkpoint_mlps(self.model, norm[0], norm[1].swiglu if own else None)
 
     # ------------------------------------------------------------------------- helpers
     def _new_cache(self, max_len: int) -> Any:

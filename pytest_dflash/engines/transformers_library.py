@@ -190,10 +190,13 @@ def apply_liger(model: Any, route_name: str, rms_norm: bool, swiglu: bool) -> in
     return patched
 
 
-def count_checkpoint_mlps(model: Any, route_name: str) -> int:
+def count_checkpoint_mlps(model: Any, route_name: str,
+                          swiglu: Callable[[Any, Any], Any] | None = None) -> int:
     """Count every call of the model's gated MLPs (transformers' own ``Qwen3_5MLP`` modules,
-    as a route may have patched their forward) under ``route_name`` (op ``mlp``); returns how
-    many. None found is EngineUnsupported: the route would silently serve nothing."""
+    as Liger may have patched their forward) under ``route_name`` (op ``mlp``); with
+    ``swiglu``, each MLP computes ``down(swiglu(gate(x), up(x)))``, the route's SiLU-mul
+    between the checkpoint's projections. Returns how many. None found is EngineUnsupported:
+    the route would silently serve nothing."""
     module = modelling_module()
     mlps = [m for m in model.modules() if type(m) is module.Qwen3_5MLP]
     if not mlps:
@@ -202,8 +205,17 @@ def count_checkpoint_mlps(model: Any, route_name: str) -> int:
             f"{type(model).__name__} has no Qwen3_5MLP: gate it on the default "
             "--dflash-engine hf model")
     for mlp in mlps:
+        if swiglu is not None:
+            mlp.forward = _route_mlp_forward(mlp, swiglu)
         _count_forward(mlp, route_name, "mlp")
     return len(mlps)
+
+
+def _route_mlp_forward(mlp: Any, swiglu: Callable[[Any, Any], Any]) -> Callable[[Any], Any]:
+    def forward(x: Any) -> Any:
+        return mlp.down_proj(swiglu(mlp.gate_proj(x), mlp.up_proj(x)))
+
+    return forward
 
 
 def _count_forward(module: Any, route_name: str, op: str) -> None:

@@ -14,7 +14,10 @@ MLP (contract ``pytest_dflash.routes.families.NormMlp``), served by Liger's Trit
 so an engine leaves them unquantized instead of serving them through ``gemm.nvfp4`` (whose
 ``gate_up`` fuses ``silu(gate) * up`` into the GEMM, leaving no SiLU-mul to swap). Liger's
 SwiGLU route and its baseline ``norm_mlp.torch_mlp`` both set it, so the two engines of its
-gates differ in the SiLU-mul alone.
+gates differ in the SiLU-mul alone. In the model, Liger's route runs Liger's own MLP forward;
+another such route that owns ``swiglu`` (one of your own) has each MLP call its ``swiglu``
+between the checkpoint's projections; ``norm_mlp.torch_mlp`` owns nothing, so transformers'
+own ``Qwen3_5MLP.forward`` runs.
 
 ``liger`` says which parts of ``apply_liger_kernel_to_qwen3_5`` a route switches on in a model
 (``pytest_dflash.engines.transformers_library.apply_liger``). Every call records a hit under the
@@ -105,6 +108,7 @@ class TorchMlp(TorchNormMlp):
     """The baseline's code on the checkpoint's MLPs: transformers' own ``Qwen3_5MLP``."""
 
     route = f"{FAMILY}.torch_mlp"
+    own = frozenset()  # transformers' own code serves: the ground, not a swap
     checkpoint_mlps = True
 
 
