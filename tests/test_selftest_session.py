@@ -126,7 +126,10 @@ def test_validation_cost_defects_are_caught(pytester: pytest.Pytester) -> None:
     """Only the planted defects run (``-k``), at the ci profile's sizes: a quick-profile
     verify step lasts tens of microseconds, of which the op calls that the planted busy wait
     scales are about half, so there a planted "2%" costs well under 2% and an exact gate may
-    rightly pass it (docs/selftest.md)."""
+    rightly pass it (docs/selftest.md). One regressed width rejects, so the verify widths are
+    M = 1..3 (``validation_max_m``): each of 1..8 measured the planted 2% at 1.016 to 1.022,
+    and timing all eight cost this test 54 s of its 60."""
+    pytester.makepyprojecttoml("[tool.pytest-dflash]\nvalidation_max_m = 3\n")
     result, report = _run(pytester, "-m", "sm70", "-k", "verify_path or verify_cost",
                           "--dflash-profile", "ci",
                           "--dflash-gate", "gemm.nvfp4.qpn2_packed:validation_cost")
