@@ -2,10 +2,10 @@
 
 What can be checked here is checked for real: the routes register in the transformers engine's
 sessions only, every library implementation meets its family contract, on this machine every
-candidate ends pending with the reason (never passed, never crashed), transformers' own gated-
-DeltaNet dispatch point is swapped for the selected route while its engine runs and put back
-afterwards (the oracle route really computes the model's DeltaNet layers, counted from inside
-each layer), Liger's patch reaches one model only, a SiLU-mul route is compared on the
+candidate ends pending with the reason (never passed, never crashed), transformers' own
+gated-DeltaNet dispatch point is swapped for the selected route while its engine runs and put
+back afterwards (the oracle route really computes the model's DeltaNet layers, counted from
+inside each layer), Liger's patch reaches one model only, a SiLU-mul route is compared on the
 checkpoint's own MLPs (a correct one accepted, a planted one rejected by parity and ppl), a
 forced SDPA backend that torch cannot run here skips with torch's reason, the linear.gdn parity
 suite accepts a correct route and rejects one that drops its state, and the self-test's planted
