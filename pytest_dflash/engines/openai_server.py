@@ -57,6 +57,7 @@ SELECTION_ENV = "DFLASH_ROUTES"  # names of the enabled routes, so a server can 
 PROFILE_ENV = "DFLASH_PROFILE"
 DEVICE_ENV = "DFLASH_DEVICE"
 LOG_TAIL_CHARS = 3000
+COUNTERS_TIMEOUT_S = 10.0  # longest wait for a stopping server's route counters
 
 SERVER_CAPABILITIES = Capabilities(
     prefill_timing=True,
@@ -512,7 +513,8 @@ class ServerPool:
 
     def stop(self) -> None:
         if self.process is not None:
-            counters = self._counters(self.process)
+            timeout_s = min(COUNTERS_TIMEOUT_S, self.request_timeout_s)
+            counters = self._counters(self.process, timeout_s)
             status = self.process.stop()
             for entry in self.history:
                 if entry["pid"] == self.process.pid:
@@ -521,14 +523,16 @@ class ServerPool:
             self.process, self.current = None, None
 
     @staticmethod
-    def _counters(process: ServerProcess) -> dict[str, int]:
+    def _counters(process: ServerProcess, timeout_s: float) -> dict[str, int]:
         """The server's own route counters just before it stops (``GET /dflash/route_hits``,
-        where it has them), so the route proof survives the server."""
+        where it has them), so the route proof survives the server. Asked within the pool's
+        request timeout (at most ``COUNTERS_TIMEOUT_S``): a server that hangs on a request is
+        stopped without waiting longer than any other request would."""
         if process.proc.poll() is not None:
             return {}
         httpx = _httpx()
         try:
-            response = httpx.get(f"{process.url}/dflash/route_hits", timeout=10.0)
+            response = httpx.get(f"{process.url}/dflash/route_hits", timeout=timeout_s)
             if response.status_code == 200:
                 return {str(k): int(v) for k, v in response.json().items()}
         except Exception:  # any failure here (a refused or half-dead server) means no counters:
