@@ -16,7 +16,8 @@
 # selftest  the self-test, quick profile, on cuda
 # main      the main job, full profile, on cuda (--durations=40)
 # aa        the timing calibration self-test 10 times: qpn2_packed's validation_cost A/A copy
-#           and its 2% and 5% planted slowdowns
+#           and its 2% and 5% planted slowdowns (AA_RUNS: how many; AA_NAME: the reports'
+#           name, aa by default, so the runs of two calls, e.g. aa and aa2, pool in one folder)
 # pack      reports, logs and the build cache into $OUT
 #
 # Each stage refreshes $OUT/logs.tgz (every log and stages.log) when it ends, so a call that is
@@ -98,7 +99,7 @@ EOF
             --dflash-report "$WORK/main-full.json" ${MAIN_ARGS:-}
         ;;
     aa)
-        timed aa "${AA_LIMIT:-540}" pytest-dflash selftest "$WORK/aa.json" \
+        timed "${AA_NAME:-aa}" "${AA_LIMIT:-540}" pytest-dflash selftest "$WORK/${AA_NAME:-aa}.json" \
             --repeat "${AA_RUNS:-10}" --run --dflash-route gemm.nvfp4.qpn2_packed \
             --dflash-device cuda --dflash-profile "${AA_PROFILE:-full}" -p no:cacheprovider \
             -k "validation_cost_verify_m and (copy or verify_cost_2pct or verify_cost_5pct)"
