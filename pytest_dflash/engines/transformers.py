@@ -453,7 +453,7 @@ class TransformersEngine:
         from pytest_dflash.engines.transformers_library import (
             GdnSwitch,
             apply_liger,
-            count_checkpoint_mlps,
+            serve_checkpoint_mlps,
         )
         from pytest_dflash.library.norm_mlp import liger_parts
 
@@ -484,7 +484,7 @@ class TransformersEngine:
                 "separate runs")
         # Liger's route runs Liger's MLP forward; another that owns the SiLU-mul calls it
         own = "swiglu" in getattr(norm[1], "own", ()) and not parts["swiglu"]
-        return count_checkpoint_mlps(self.model, norm[0], norm[1].swiglu if own else None)
+        return serve_checkpoint_mlps(self.model, norm[0], norm[1].swiglu if own else None)
 
     # ------------------------------------------------------------------------- helpers
     def _new_cache(self, max_len: int) -> Any:

@@ -13,7 +13,7 @@ the torch code even where fla is installed. Each call is counted on the calling 
 one model instance and then restores the module-level classes it also replaces, so models built
 later (the baseline's) keep transformers' own; each patched norm counts its calls. A route that
 serves the checkpoint's gated MLPs (Liger's SwiGLU and its baseline ``norm_mlp.torch_mlp``)
-counts each MLP's calls under its name (:func:`count_checkpoint_mlps`).
+counts each MLP's calls under its name (:func:`serve_checkpoint_mlps`).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class GdnSwitch:
 def apply_liger(model: Any, route_name: str, rms_norm: bool, swiglu: bool) -> int:
     """Liger's ``apply_liger_kernel_to_qwen3_5`` on ``model`` only (no loss patching, no
     rotary: Liger has none for Qwen3.5), the modelling module's classes restored afterwards;
-    every patched norm counts its calls. Returns how many modules were patched."""
+    every patched norm counts its calls. Returns how many norms were patched."""
     from transformers import PreTrainedModel
 
     module = modelling_module()
@@ -184,17 +184,14 @@ def apply_liger(model: Any, route_name: str, rms_norm: bool, swiglu: bool) -> in
         for norm in norms:
             _count_forward(norm, route_name, "rms_norm")
             patched += 1
-    if swiglu:
-        patched += sum(mlp.forward.__func__ is not module.Qwen3_5MLP.forward
-                       for mlp in model.modules() if type(mlp) is module.Qwen3_5MLP)
     return patched
 
 
-def count_checkpoint_mlps(model: Any, route_name: str,
+def serve_checkpoint_mlps(model: Any, route_name: str,
                           swiglu: Callable[[Any, Any], Any] | None = None) -> int:
-    """Count every call of the model's gated MLPs (transformers' own ``Qwen3_5MLP`` modules,
-    as Liger may have patched their forward) under ``route_name`` (op ``mlp``); with
-    ``swiglu``, each MLP computes ``down(swiglu(gate(x), up(x)))``, the route's SiLU-mul
+    """The model's gated MLPs (transformers' own ``Qwen3_5MLP`` modules, as Liger may have
+    patched their forward) served by ``route_name``: every call counted under it (op ``mlp``);
+    with ``swiglu``, each MLP computes ``down(swiglu(gate(x), up(x)))``, the route's SiLU-mul
     between the checkpoint's projections. Returns how many. None found is EngineUnsupported:
     the route would silently serve nothing."""
     module = modelling_module()
