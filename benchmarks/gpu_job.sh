@@ -6,7 +6,9 @@
 #   OUT=out WORK=/tmp/dflash-gpu benchmarks/gpu_job.sh setup build hf selftest main aa pack
 #
 # setup     install wheels found in .whl/ (with --target, no network), the package (no deps),
-#           restore a native-build cache from .dcache/cache.tgz, and write env.json
+#           restore a native-build cache from .dcache/cache.tgz and a Triton kernel cache from
+#           .dcache/triton.tgz (fla's and Liger's kernels compile in about 100 s otherwise),
+#           and write env.json
 # build     build both native variants into $DFLASH_CACHE_DIR (seconds in build.log)
 # hf        pytest -m sm70 --dflash-device cuda --dflash-engine hf (ci profile): the six
 #           shipped candidates and the kernel libraries' routes inside the Qwen3.5 hybrid
@@ -18,7 +20,7 @@
 # aa        the timing calibration self-test 10 times: qpn2_packed's validation_cost A/A copy
 #           and its 2% and 5% planted slowdowns (AA_RUNS: how many; AA_NAME: the reports'
 #           name, aa by default, so the runs of two calls, e.g. aa and aa2, pool in one folder)
-# pack      reports, logs and the build cache into $OUT
+# pack      reports, logs, the build cache and the Triton cache into $OUT
 #
 # Each stage refreshes $OUT/logs.tgz (every log and stages.log) when it ends, so a call that is
 # stopped by its own time limit still brings back the logs of the stages that finished.
@@ -26,8 +28,9 @@ set -u
 OUT="${OUT:?set OUT}"
 WORK="${WORK:-/tmp/dflash-gpu}"
 export DFLASH_CACHE_DIR="${DFLASH_CACHE_DIR:-/tmp/dflash-cache}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton-cache}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-mkdir -p "$WORK" "$DFLASH_CACHE_DIR"
+mkdir -p "$WORK" "$DFLASH_CACHE_DIR" "$TRITON_CACHE_DIR"
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 
 timed() {  # timed NAME LIMIT_S COMMAND...: run, log, and note seconds and exit status
@@ -54,6 +57,7 @@ for stage in "$@"; do
         fi
         python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
         [ -f .dcache/cache.tgz ] && tar -xzf .dcache/cache.tgz -C "$DFLASH_CACHE_DIR"
+        [ -f .dcache/triton.tgz ] && tar -xzf .dcache/triton.tgz -C "$TRITON_CACHE_DIR"
         python3 - "$WORK/env.json" <<'EOF'
 import json, subprocess, sys, torch, platform
 info = {"card": torch.cuda.get_device_name(0),
@@ -107,6 +111,7 @@ EOF
     pack)
         tar -czf "$OUT/reports.tgz" -C "$WORK" .
         tar -czf "$OUT/cache.tgz" -C "$DFLASH_CACHE_DIR" .
+        tar -czf "$OUT/triton.tgz" -C "$TRITON_CACHE_DIR" .
         ls -la "$OUT" "$WORK"
         ;;
     *)
