@@ -5,7 +5,7 @@ The job leaves, in one folder, ``env.json`` (card, driver, torch, CUDA, library 
 them into result files under ``benchmarks/results/`` (schema in ``benchmarks/render.py``), each
 naming the card, torch, CUDA and the commit the job ran:
 
-    python benchmarks/gpu_results.py FOLDER --commit HASH [--date YYYY-MM-DD]
+    python benchmarks/gpu_results.py FOLDER --commit HASH[,HASH] [--date YYYY-MM-DD] [--note TEXT]
 
 * ``<card>-main-job-full.json``: the full-profile main job, one row per route and gate
   (status, seconds, figure), with the test seconds and the report's size in ``about``;
@@ -16,7 +16,11 @@ naming the card, torch, CUDA and the commit the job ran:
   its verdict and each gate's figure (docs/library-routes.md);
 * ``<card>-selftest-quick.json``: the quick self-test's catch table and its seconds;
 * ``<card>-hf-selftest.json``: the planted defects of linear.gdn.fla_chunk, caught or not;
-* ``<card>-timing-aa.json``: the A/A and planted-slowdown counts of every ``aa*.run*.json``.
+* ``<card>-timing-aa-validation-cost.json``: the A/A and planted-slowdown counts of every
+  ``aa*.run*.json``.
+
+``--note TEXT`` adds a sentence to every file's ``about``: which runs came from which call or
+commit, when a folder joins the reports of several.
 
 A stage whose report is missing writes no file; the script says which.
 """
@@ -63,11 +67,11 @@ def stages(folder: Path) -> dict[str, dict[str, float]]:
 
 
 def header(env: Mapping[str, Any], *, topic: str, title: str, about: str, command: str,
-           commit: str | list[str], date: str) -> dict[str, Any]:
+           commit: str | list[str], date: str, note: str = "") -> dict[str, Any]:
     libs = ", ".join(f"{k} {env[k]}" for k in ("transformers", "triton", "fla", "liger_kernel")
                      if k in env and not str(env[k]).startswith("not importable"))
     return {"schema": SCHEMA, "kind": "measured", "topic": topic, "title": title,
-            "about": about,
+            "about": f"{about} {note}".strip(),
             "machine": f"one {env['card']} (capability {env['capability']}), driver "
                        f"{env.get('driver', '?')}, {env.get('cpus', '?')} CPU cores"
                        + (f"; {libs}" if libs else ""),
@@ -159,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--commit", required=True)
     parser.add_argument("--date", default=datetime.date.today().isoformat())
+    parser.add_argument("--note", default="",
+                        help="a sentence added to every result file's about (e.g. which runs "
+                             "came from which commit)")
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="where the result files go (default benchmarks/results)")
     args = parser.parse_args(argv)
@@ -168,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     slug, walls = card_slug(env["card"]), stages(folder)
     # runs of one folder made on different commits: --commit A,B (the result file lists both)
     commits = args.commit.split(",")
-    common = {"commit": commits if len(commits) > 1 else commits[0], "date": args.date}
+    common = {"commit": commits if len(commits) > 1 else commits[0], "date": args.date,
+              "note": args.note}
 
     main_report = folder / "main-full.json"
     if main_report.exists():
@@ -281,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                     c = keys[key]
                     rows.append([route, kind, key, sum(c.values()), c["pass"],
                                  c["inconclusive"], c["fail"], c["error"] + c["pending"]])
-        write(results / f"{slug}-timing-aa.json", {
+        write(results / f"{slug}-timing-aa-validation-cost.json", {
             **header(env, topic="timing error rates",
                      title=f"A/A control and planted slowdowns over {len(runs)} runs "
                            f"(full profile, {env['card']})",
