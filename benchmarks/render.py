@@ -12,7 +12,7 @@ be checked or regenerated; a file can, and the page made from it is checked agai
 A page of ``docs/`` that discusses a figure embeds its file's table where it discusses it, in a
 block the script fills (and ``--check`` checks) like the benchmarks page::
 
-    <!-- results: h200-timing-aa-validation-cost.json -->
+    <!-- results: h100-timing-aa-validation-cost.json -->
     <!-- /results -->
 
 A result file holds::
