@@ -125,12 +125,16 @@ def _selftest(args: argparse.Namespace) -> int:
                for kind, keys in kinds.items() if keys.get("copy", {}).get("fail")]
         return 1 if bad else 0
     if args.pytest_args is not None:
-        import subprocess
+        from pytest_dflash.selftest import child
 
-        command = [sys.executable, "-m", "pytest", "--pyargs", "dflash_suites", "-m", "sm70",
-                   "--dflash-selftest", "--dflash-report", args.report, *args.pytest_args]
-        print(" ".join(command), flush=True)
-        return subprocess.call(command)
+        argv = child.command(args.report, args.pytest_args)
+        print(" ".join(argv), flush=True)
+        result = child.run(argv)
+        if result.interrupted:  # the child printed its tables; its report keeps what finished
+            print(f"pytest-dflash selftest: interrupted; {args.report} holds the tests that "
+                  "finished", file=sys.stderr)
+            return 2
+        return result.code
     section = catch.summarize(reports.load(Path(args.report)))
     for line in catch.render(section):
         print(line)

@@ -12,14 +12,13 @@ the last run's report (``selftest_repeat``) and to a JSON file of its own.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pytest_dflash.evidence.catch import COPY
 from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS as TIMING_KINDS
+from pytest_dflash.selftest import child
 
 OUTCOMES = ("pass", "inconclusive", "fail", "error", "pending")
 
@@ -103,32 +102,14 @@ def run(repeat: int, report: Path, pytest_args: Sequence[str]) -> dict[str, Any]
     paths = [report.with_name(f"{report.stem}.run{i}{report.suffix}") for i in range(repeat)]
     done: list[Path] = []
     for i, path in enumerate(paths):
-        command = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--pyargs",
-            "dflash_suites",
-            "-m",
-            "sm70 and (speed or validation_cost)",
-            "--dflash-selftest",
-            "--dflash-selftest-calibrate",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "--dflash-report",
-            str(path),
-            *pytest_args,
-        ]
-        print(f"[{i + 1}/{repeat}] " + " ".join(command), flush=True)
-        try:
-            code = subprocess.call(command)
-        except KeyboardInterrupt:  # the runs that finished still count, and are said to
+        argv = child.command(path, pytest_args, calibrate=True)
+        print(f"[{i + 1}/{repeat}] " + " ".join(argv), flush=True)
+        result = child.run(argv)
+        code = result.code
+        # interrupted from outside (Ctrl-C, timeout -s INT), or inside the child (pytest's exit
+        # code 2): the runs that finished still count, and are said to
+        if result.interrupted or (code == 2 and done):
             print(f"interrupted during run {i + 1} of {repeat}: counting the {len(done)} "
-                  "finished runs", flush=True)
-            break
-        if code == 2 and done:  # pytest's own exit code for an interrupted session
-            print(f"run {i + 1} of {repeat} was interrupted: counting the {len(done)} "
                   "finished runs", flush=True)
             break
         if code > 1 or not path.exists():

@@ -1,0 +1,57 @@
+"""``pytest-dflash selftest --run`` interrupted from outside, as ``timeout -s INT`` does it.
+
+The interrupt reaches the command's process alone; the command must pass it on to the child
+pytest session, wait for it to write its report, and end with exit 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SLEEPER = """
+import os
+import pathlib
+import time
+
+
+def pytest_runtest_call(item):
+    pathlib.Path(os.environ["DFLASH_TEST_STARTED"]).write_text(item.nodeid)
+    time.sleep(300)  # a long test, stopped by the interrupt after its setup
+"""
+
+
+def test_an_interrupted_selftest_run_keeps_its_report(tmp_path: Path) -> None:
+    (tmp_path / "sleeper_plugin.py").write_text(SLEEPER)
+    started = tmp_path / "started"
+    report = tmp_path / "selftest.json"
+    env = {**os.environ, "DFLASH_TEST_STARTED": str(started),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest_dflash.cli", "selftest", str(report), "--run",
+         "-p", "sleeper_plugin", "-p", "no:cacheprovider", "--dflash-profile", "quick",
+         "--dflash-route", "gemm.nvfp4.qpn2", "-k", "parity"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not started.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the child session never started a test"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)  # the command alone, not its child
+        out, err = proc.communicate(timeout=200)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, (out, err)
+    assert "Traceback" not in err and "Traceback" not in out, err
+    assert f"{report} holds the tests that finished" in err
+    written = json.loads(report.read_text())
+    assert written["session"]["interrupted"] is True
+    outcomes = [t["outcome"] for e in written["routes"].values()
+                for g in e.get("gates", {}).values() for t in g.get("tests", [])]
+    assert outcomes == ["interrupted"], outcomes
