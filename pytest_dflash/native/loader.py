@@ -21,7 +21,7 @@ target for the GPU), so a loader gate never passes on a device where the ops do 
 A torch op namespace can be registered by only one library: loading a second library that
 registers ``dflash_d256`` aborts the process (SIGABRT, not catchable). So before any load the
 loader checks which library already owns the namespace, and a library it did not build itself
-(a sidecar) is first loaded in a child interpreter, so a crashing, corrupt or clashing file
+(a sidecar) is first loaded in a child process, so a crashing, corrupt or clashing file
 costs a child process and an error message, never the session.
 """
 
@@ -162,28 +162,35 @@ print(json.dumps(sorted(n[len(prefix):] for n in torch._C._dispatch_get_all_op_n
 
 
 def probe_library(path: Path) -> list[str]:
-    """Load ``path`` in a child interpreter (after the libraries this process already loaded) and
+    """Load ``path`` in a child process (after the libraries this process already loaded) and
     return the ``dflash_d256`` ops it registers; raise LoaderError if the child fails or dies.
 
     Why a child: a corrupt file fails cleanly, but a library whose static initialisers clash with
     an already registered namespace terminates the whole process, and that cannot be caught.
+    Without a CUDA context the child is a fork of this process (milliseconds: it has torch and
+    every loaded library already); with one, a fresh interpreter that imports torch and loads
+    them again (seconds), since a forked child cannot use its parent's CUDA context.
     """
     import torch
 
-    already = sorted(torch.ops.loaded_libraries)
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", _PROBE, json.dumps(already), str(path), NAMESPACE],
-            capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
-        )
+        if torch.cuda.is_initialized():
+            already = sorted(torch.ops.loaded_libraries)
+            done = subprocess.run(
+                [sys.executable, "-c", _PROBE, json.dumps(already), str(path), NAMESPACE],
+                capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+            )
+            returncode, stdout, stderr = done.returncode, done.stdout, done.stderr
+        else:
+            returncode, stdout, stderr = _probe_in_fork(path, PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise LoaderError(
             f"probe load of {path} did not finish in {PROBE_TIMEOUT_S:.0f} s; refusing to load it"
         ) from None
-    if done.returncode != 0:
-        last = _last_error_line(done.stderr)
-        if done.returncode < 0:
-            sig = signal.Signals(-done.returncode).name
+    if returncode != 0:
+        last = _last_error_line(stderr)
+        if returncode < 0:
+            sig = signal.Signals(-returncode).name
             raise LoaderError(
                 f"probe load of {path} was killed by {sig} ({last}); loading it here would abort "
                 "this process, so it is refused: rebuild the library against this torch or drop it"
@@ -193,11 +200,57 @@ def probe_library(path: Path) -> list[str]:
             f"this torch {torch.__version__}, or none to use the bundled build"
         )
     try:
-        return list(json.loads(done.stdout.strip().splitlines()[-1]))
+        return list(json.loads(stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
         raise LoaderError(
-            f"probe load of {path} printed no op list: {done.stdout[-300:]!r}"
+            f"probe load of {path} printed no op list: {stdout[-300:]!r}"
         ) from None
+
+
+def _probe_in_fork(path: Path, timeout_s: float) -> tuple[int, str, str]:
+    """``(exit status as subprocess gives it, stdout, stderr)`` of loading ``path`` in a fork.
+
+    The child loads the library, writes the namespace's ops to a file and leaves with
+    ``os._exit`` (never through this process's exit handlers or buffered output); its stderr
+    goes to a file too, so an initialiser's abort message names the clash as a fresh
+    interpreter's would."""
+    import tempfile
+    import time
+
+    import torch
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        with warnings.catch_warnings():  # Python 3.12 warns on a fork beside torch's idle thread
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child
+            code = 1
+            try:
+                os.dup2(err.fileno(), 2)
+                torch.ops.load_library(str(path))
+                prefix = NAMESPACE + "::"
+                os.write(out.fileno(), json.dumps(sorted(
+                    n[len(prefix):] for n in torch._C._dispatch_get_all_op_names()
+                    if n.startswith(prefix))).encode())
+                code = 0
+            except BaseException as exc:  # noqa: BLE001 - the message is the child's answer
+                os.write(2, f"{type(exc).__name__}: {exc}\n".encode(errors="replace"))
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            finished, status = os.waitpid(pid, os.WNOHANG)
+            if finished:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(f"probe load of {path}", timeout_s)
+            time.sleep(0.002)
+        out.seek(0)
+        err.seek(0)
+        return (os.waitstatus_to_exitcode(status), out.read().decode(errors="replace"),
+                err.read().decode(errors="replace"))
 
 
 def _last_error_line(stderr: str) -> str:
