@@ -128,8 +128,12 @@ def test_validation_cost_defects_are_caught(pytester: pytest.Pytester) -> None:
     scales are about half, so there a planted "2%" costs well under 2% and an exact gate may
     rightly pass it (docs/selftest.md). One regressed width rejects, so the verify widths are
     M = 1..3 (``validation_max_m``): each of 1..8 measured the planted 2% at 1.016 to 1.022,
-    and timing all eight cost this test 54 s of its 60."""
-    pytester.makepyprojecttoml("[tool.pytest-dflash]\nvalidation_max_m = 3\n")
+    and timing all eight cost this test 54 s of its 60. One look of 6 processes
+    (``timing_max_processes = 6``), at the full confidence: a planted slowdown is caught when
+    it fails or stays inconclusive, and the shipped looks only add processes to a gate that has
+    not decided (they took this test from 20 to 51 s by the widths they reached)."""
+    pytester.makepyprojecttoml("[tool.pytest-dflash]\nvalidation_max_m = 3\n"
+                               "timing_max_processes = 6\n")
     result, report = _run(pytester, "-m", "sm70", "-k", "verify_path or verify_cost",
                           "--dflash-profile", "ci",
                           "--dflash-gate", "gemm.nvfp4.qpn2_packed:validation_cost")
