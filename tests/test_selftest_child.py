@@ -36,7 +36,10 @@ def test_an_interrupted_selftest_run_keeps_its_report(tmp_path: Path) -> None:
         [sys.executable, "-m", "pytest_dflash.cli", "selftest", str(report), "--run",
          "-p", "sleeper_plugin", "-p", "no:cacheprovider", "--dflash-profile", "quick",
          "--dflash-route", "gemm.nvfp4.qpn2", "-k", "parity"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # a shell's background job inherits SIGINT ignored, and so would the command: restored,
+        # as in a terminal or under ``timeout -s INT``
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while not started.exists():
