@@ -353,3 +353,29 @@ def test_routes_accept_strided_views(route):
     route.dense(q, k, v, out, SCALE, True)
     assert rel_l2(out, reference_attention(q, k, v, SCALE, True)) <= 2e-6
     assert torch.isnan(big[:, :2]).all() and torch.isnan(big[:, 6:]).all()
+
+
+def test_a_dense_case_grounds_are_computed_once_and_shared_by_the_family_routes() -> None:
+    """The oracle's and the baseline's outputs of a case are computed once, before any
+    candidate touches the inputs, and handed to every route that meets the case; another dtype,
+    causality or baseline is another case, and the oldest case leaves first beyond the bound."""
+    from dflash_suites.support.attn import AttnCalls, CaseGrounds, make_qkv
+
+    calls = AttnCalls.__new__(AttnCalls)
+    calls.name, calls.impl, calls.oracle, calls.reference = "attn.d256.fa2", FA2, ORACLE, SDPA
+    grounds = CaseGrounds()
+    q, k, v = make_qkv(40, 72, 4, 2, seed=7, dtype=torch.float32, device=torch.device("cpu"))
+    with hits.counting() as delta:
+        oracle, ref = grounds.get(calls, q, k, v, True, (7, (40, 72, 4, 2), torch.float32))
+        again = grounds.get(calls, q, k, v, True, (7, (40, 72, 4, 2), torch.float32))
+    assert again[0] is oracle and again[1] is ref
+    assert delta.as_json() == {"attn.d256.oracle/dense": 1, "attn.d256.sdpa/dense": 1}
+    assert torch.equal(oracle, AttnCalls.call(ORACLE, "dense", q.double(), k.double(),
+                                              v.double(), 256 ** -0.5, True))
+    assert torch.equal(ref, AttnCalls.call(SDPA, "dense", q, k, v, 256 ** -0.5, True))
+    other = grounds.get(calls, q, k, v, False, (7, (40, 72, 4, 2), torch.float32))
+    assert not torch.equal(other[0], oracle)  # not causal: another case
+    small = CaseGrounds(max_bytes=oracle.numel() * 8 + ref.numel() * 4)
+    first = small.get(calls, q, k, v, True, (1,))
+    small.get(calls, q, k, v, False, (2,))
+    assert small.get(calls, q, k, v, True, (1,))[0] is not first[0]  # dropped, computed again
