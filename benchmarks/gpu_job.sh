@@ -85,7 +85,7 @@ EOF
     hf)
         timed "${HF_NAME:-hf}" "${HF_LIMIT:-420}" python3 -m pytest -m sm70 \
             --dflash-device cuda --dflash-engine hf --dflash-profile ci -p no:cacheprovider \
-            --durations=40 --dflash-report "$WORK/${HF_NAME:-hf}-ci.json" ${HF_ARGS:-}
+            --durations=40 --dflash-report="$WORK/${HF_NAME:-hf}-ci.json" ${HF_ARGS:-}
         ;;
     hfselftest)
         timed hfselftest "${HFSELFTEST_LIMIT:-150}" pytest-dflash selftest \
@@ -100,7 +100,7 @@ EOF
     main)
         timed main "${MAIN_LIMIT:-420}" python3 -m pytest -m sm70 --dflash-device cuda \
             --dflash-profile full -p no:cacheprovider --durations=40 \
-            --dflash-report "$WORK/main-full.json" ${MAIN_ARGS:-}
+            --dflash-report="$WORK/main-full.json" ${MAIN_ARGS:-}
         ;;
     aa)
         timed "${AA_NAME:-aa}" "${AA_LIMIT:-540}" pytest-dflash selftest "$WORK/${AA_NAME:-aa}.json" \

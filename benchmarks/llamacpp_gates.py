@@ -150,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         *[x for name in routes for x in ("--dflash-route", name)],
         "-p",
         "no:cacheprovider",
-        "--dflash-report",
-        str(report),
+        f"--dflash-report={report}",
     ]
     start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     run = subprocess.run(command, capture_output=True, text=True)

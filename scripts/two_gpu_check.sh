@@ -68,7 +68,7 @@ run() {  # name, CUDA_VISIBLE_DEVICES, pytest arguments...
   rm -rf "$out/progress-$name"  # like $name.log, the progress logs are this run's only
   start=$(date +%s.%N)
   CUDA_VISIBLE_DEVICES="$visible" python3 -m pytest -m sm70 --dflash-device "$device" \
-    --dflash-profile "$profile" --dflash-report "$out/$name.json" -p no:cacheprovider -q -rs \
+    --dflash-profile "$profile" --dflash-report="$out/$name.json" -p no:cacheprovider -q -rs \
     --dflash-progress-log "$out/progress-$name" "$@" "${extra[@]}" >"$out/$name.log" 2>&1
   local rc=$?
   end=$(date +%s.%N)

@@ -58,3 +58,16 @@ def test_an_interrupted_selftest_run_keeps_its_report(tmp_path: Path) -> None:
     outcomes = [t["outcome"] for e in written["routes"].values()
                 for g in e.get("gates", {}).values() for t in g.get("tests", [])]
     assert outcomes == ["interrupted"], outcomes
+
+
+def test_the_child_names_its_report_with_an_equals_sign(tmp_path: Path) -> None:
+    """pytest picks the rootdir before it knows the plugin's options: a report path that already
+    exists (the second run of one command), written after a space, would count as a test path
+    and move the child's rootdir out of the project (docs/report.md)."""
+    from pytest_dflash.selftest import child
+
+    report = tmp_path / "selftest.json"
+    report.write_text("{}")
+    for calibrate in (False, True):
+        argv = child.command(report, ["-q"], calibrate=calibrate)
+        assert f"--dflash-report={report}" in argv and str(report) not in argv, argv

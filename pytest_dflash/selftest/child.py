@@ -40,7 +40,7 @@ def command(report: Path | str, pytest_args: Sequence[str], *,
     marks = "sm70 and (speed or validation_cost)" if calibrate else "sm70"
     extra = ["--dflash-selftest-calibrate", "-p", "no:cacheprovider", "-q"] if calibrate else []
     return [sys.executable, "-m", "pytest", "--pyargs", "dflash_suites", "-m", marks,
-            "--dflash-selftest", *extra, "--dflash-report", str(report), *pytest_args]
+            "--dflash-selftest", *extra, f"--dflash-report={report}", *pytest_args]
 
 
 def run(argv: Sequence[str]) -> ChildResult:
