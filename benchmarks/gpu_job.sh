@@ -15,6 +15,7 @@
 #           (HF_ARGS: more options, e.g. routes or --dflash-dtype; HF_NAME: the report's name)
 # hfselftest  the self-test of linear.gdn.fla_chunk inside the Qwen3.5 hybrid (quick profile):
 #           its planted defects (state dropped at a chunk seam, q/k L2 norm dropped)
+# cudatests the plugin's own tests of CUDA graphs and timing workers (tests/), on cuda
 # selftest  the self-test, quick profile, on cuda
 # main      the main job, full profile, on cuda (--durations=40)
 # aa        the timing calibration self-test 10 times: qpn2_packed's validation_cost A/A copy
@@ -91,6 +92,10 @@ EOF
         timed hfselftest "${HFSELFTEST_LIMIT:-150}" pytest-dflash selftest \
             "$WORK/hf-selftest.json" --run --dflash-engine hf --dflash-device cuda \
             --dflash-profile quick --dflash-route linear.gdn.fla_chunk -p no:cacheprovider
+        ;;
+    cudatests)
+        timed cudatests "${CUDATESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider \
+            tests/test_timing_graph.py tests/test_timing_workers.py tests/test_engine.py
         ;;
     selftest)
         timed selftest "${SELFTEST_LIMIT:-300}" pytest-dflash selftest \

@@ -225,3 +225,37 @@ def test_bad_inputs_are_refused_clearly(engine):
         engine.generate("x", 0)
     with pytest.raises(ValueError, match="unknown profile"):
         build({}, "huge")
+
+
+def test_a_cold_prefill_call_computes_the_prefill_and_books_its_hits_per_run():
+    """The call a CUDA graph captures for the prefill gate (``cold_prefill_call``) is the eager
+    prefill without the host: the same chunks, the same last-position logits (so the same
+    first-token hash), nothing left in the prefix cache, and ``book`` counts exactly one more
+    run of the same route hits, as a replay runs the same kernels."""
+    from pytest_dflash.native import hits
+
+    eng = build({"gemm.nvfp4": "gemm.nvfp4.qpn2_packed"}, "quick")
+    ids = encode("def add(a, b):\n    return a + b\n" * 12, bos=True)
+    eager = eng.prefill(ids)
+    eng.reset_prefix_cache()
+    call = eng.cold_prefill_call(ids)
+    before = eng.route_hits()
+    with hits.counting() as ran:
+        out = call()
+    one_run = {k: n - before.get(k, 0) for k, n in eng.route_hits().items()
+               if n != before.get(k, 0)}
+    result = call.result(out)
+    assert (result.first_token_hash, result.first_token, result.chunks) == (
+        eager.first_token_hash, eager.first_token, eager.chunks)
+    assert result.chunks > 1  # the prompt crosses chunk seams
+    assert one_run["gemm.nvfp4.qpn2_packed"] > 0 and one_run["prefill.geometry.fp32_q3296"] \
+        == result.chunks
+    assert eng._prefix == {} and eng._current is None  # a timed cold prefill caches nothing
+    before = eng.route_hits()
+    with hits.counting() as booked:
+        call.book()
+    assert {k: n - before.get(k, 0) for k, n in eng.route_hits().items()
+            if n != before.get(k, 0)} == one_run
+    assert booked.counts == ran.counts and ran.route("gemm.nvfp4.qpn2_packed") > 0
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        eng.cold_prefill_call([10**6])

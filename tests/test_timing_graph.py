@@ -104,3 +104,44 @@ def test_the_reference_engine_speculative_round_is_captured_and_replays_its_logi
         assert [tuple(t.shape) for t in got] == [(m, eager[0].shape[1]) for m in range(1, 9)]
         for replayed, want in zip(got, eager, strict=True):
             assert torch.equal(replayed, want)
+
+
+def test_the_prefill_gate_times_replays_of_each_whole_cold_prefill():
+    """The prefill gate's worker pair on CUDA (``cold_prefill_pair``): both routes' cold
+    prefills are captured in CUDA graphs, a timed call is one replay, every replay yields the
+    eager prefill's first-token hash, and each books one run's route hits."""
+    from types import SimpleNamespace
+
+    from dflash_suites.support.engine import cold_prefill_pair
+    from pytest_dflash.engines.data import prompt_ids
+    from pytest_dflash.engines.factory import EngineFactory
+    from pytest_dflash.measure.timing import pair_timers
+    from pytest_dflash.routes import shipped
+    from pytest_dflash.routes.registry import RouteRegistry
+
+    dev = torch.device("cuda")
+    registry = RouteRegistry()
+    shipped.pytest_dflash_routes(registry)
+    factory = EngineFactory(registry, "quick", "cuda")
+    route, base = "prefill.geometry.fp16_q7920", "prefill.geometry.fp32_q3296"
+
+    def engine(*names):
+        return factory.engine(registry.engine_selection(names))
+
+    ctx = SimpleNamespace(device=dev, policy=_policy(), engine=engine)
+    candidate = engine(route)
+    ids = prompt_ids(512, candidate.encode)
+    candidate.reset_prefix_cache()
+    eager = candidate.prefill(ids)
+    pair = cold_prefill_pair(ctx, route=route, baseline=base, length=512)
+    assert pair.info["graph"].startswith("captured"), pair.info["graph"]
+    run_round, info = pair_timers(pair, dev, _policy())
+    assert info["graph"].startswith("captured")
+    hits_before = candidate.route_hits()[route]
+    times = [t for order in ("cb", "bc", "cb") for t in run_round(order)]
+    assert all(0 < t < 1 for t in times)
+    facts = pair.facts()
+    assert facts["candidate"]["runs"] == facts["baseline"]["runs"] == 3
+    assert facts["candidate"]["hashes"] == [eager.first_token_hash]
+    assert facts["candidate"]["chunks"] == [eager.chunks] == [facts["candidate"]["expected_chunks"]]
+    assert candidate.route_hits()[route] - hits_before == 3 * eager.chunks  # booked per replay

@@ -60,6 +60,27 @@ def broken(ctx):
     raise ValueError("the builder cannot build this pair")
 
 
+def slow_build(ctx, *, log, seconds):
+    """A pair that takes ``seconds`` to build; build and first-call times go to ``log``."""
+    import os
+
+    def note(what):
+        with open(log, "a") as out:
+            out.write(f"{{what}} {{os.getpid()}} {{time.time()}}\\n")
+
+    note("build")
+    spin(seconds)
+    note("built")
+    first = []
+
+    def call():
+        if not first:
+            first.append(note("timed"))
+        spin(0.0005)
+
+    return TimedPair(call, call)
+
+
 def side_raises(ctx, *, route, side):
     """A call into the candidate's (or its baseline's) code that raises in the worker."""
     gate = ctx.gate(route, "speed")
@@ -200,6 +221,35 @@ def test_a_builder_error_names_the_gate_and_the_log(pool):
             TimingJob("timing_jobs_for_test:broken"), 1, rounds=2, warmup=0, seed=1, label="my gate"
         )
     assert "timing-worker-0.log" in str(info.value)
+
+
+def test_a_looks_workers_build_together_and_each_is_timed_after_all_built(pool, tmp_path):
+    """A look's workers build the pair at once (``prepare``), and no worker times before every
+    worker has built: the builds overlap, nothing is timed beside one, and each process's setup
+    still counts its build."""
+    log = tmp_path / "events.log"
+    job = TimingJob("timing_jobs_for_test:slow_build", {"log": str(log), "seconds": 0.4})
+    samples = pool.sample(job, 2, rounds=2, warmup=1, seed=2, label="look")
+    events = [line.split() for line in log.read_text().splitlines()]
+    at = {(what, pid): float(t) for what, pid, t in events}
+    pids = {pid for _, pid, _ in events}
+    assert len(pids) == 2 and len(events) == 6  # each worker built once, timed once
+    built = max(at[("built", p)] for p in pids)
+    assert max(at[("build", p)] for p in pids) < min(at[("built", p)] for p in pids)  # overlap
+    assert min(at[("timed", p)] for p in pids) >= built  # nothing timed while one built
+    for s in samples:
+        assert s.info["prepared"] and s.info["build_s"] >= 0.4 and s.setup_s >= 0.4
+
+
+def test_a_failed_build_of_a_look_leaves_its_workers_usable(pool):
+    """Every worker's answer to the look's build is read before the error is raised: the next
+    job on the same workers gets its own answers, not a stale one."""
+    with pytest.raises(TimingWorkerError, match=r"my look: timing worker \d .*the builder cannot"):
+        pool.sample(TimingJob("timing_jobs_for_test:broken"), 2, rounds=2, warmup=0, seed=1,
+                    label="my look")
+    job = TimingJob("timing_jobs_for_test:pair", {"base_s": 0.0005, "factor": 1.0})
+    samples = pool.sample(job, 2, rounds=4, warmup=1, seed=5, label="next")
+    assert [len(s.candidate_s) for s in samples] == [4, 4]
 
 
 @pytest.mark.parametrize("side", ["candidate", "baseline"])

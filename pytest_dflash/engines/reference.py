@@ -274,13 +274,15 @@ class ReferenceEngine:
         return _State([], [None] * cfg.n_layers, [None] * cfg.n_layers, kv)
 
     def _forward(self, state: _State, ids: list[int], all_logits: bool,
-                 commit: bool = True) -> torch.Tensor:
+                 commit: bool = True, on_device: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``ids`` on top of ``state``; logits [T or 1, V]. ``commit=False`` (verify) leaves
-        the SSM/conv state and the token list untouched; KV rows past the prefix are scratch."""
-        return self._forward_rows([state], [ids], all_logits, commit)[0]
+        the SSM/conv state and the token list untouched; KV rows past the prefix are scratch.
+        ``on_device``: the same ids already on the device, [1, T] (a captured prefill)."""
+        return self._forward_rows([state], [ids], all_logits, commit, on_device)[0]
 
     def _forward_rows(self, states: list[_State], ids: list[list[int]], all_logits: bool,
-                      commit: bool = True) -> list[torch.Tensor]:
+                      commit: bool = True,
+                      on_device: torch.Tensor | None = None) -> list[torch.Tensor]:
         """:meth:`_forward` for several sequences at once (a decode step of a batch: one token
         each), or for one. The norms, projections, SSM and GEMM run on all rows together; each
         sequence's attention runs on its own paged KV cache. Per sequence: logits [T or 1, V]."""
@@ -289,7 +291,8 @@ class ReferenceEngine:
             raise EngineError("a batched forward takes exactly one token per sequence")
         starts = [len(state.tokens) for state in states]
         t_len = len(ids[0])
-        x = self.w["embed.weight"][self._row_ids(ids, commit)]  # [B, T, d]
+        rows = self._row_ids(ids, commit) if on_device is None else on_device
+        x = self.w["embed.weight"][rows]  # [B, T, d]
         recurrent = t_len <= RECURRENT_MAX_TOKENS
         for i in range(cfg.n_layers):
             p = self.layer_params[i]
@@ -370,11 +373,13 @@ class ReferenceEngine:
         self._dispatch[f"{self.gemm_route}:m{'<=8' if m <= MAX_VERIFY_ROWS else '>8'}"] += 2
         return out.to(self.work)
 
-    def _run_chunks(self, state: _State, ids: list[int], all_logits: bool) -> tuple[
-            list[torch.Tensor], int]:
+    def _run_chunks(self, state: _State, ids: list[int], all_logits: bool,
+                    on_device: torch.Tensor | None = None) -> tuple[list[torch.Tensor], int]:
         outs, chunks = [], 0
         for pos in range(0, len(ids), self.chunk):
-            outs.append(self._forward(state, ids[pos : pos + self.chunk], all_logits))
+            rows = None if on_device is None else on_device[:, pos : pos + self.chunk]
+            outs.append(self._forward(state, ids[pos : pos + self.chunk], all_logits,
+                                      on_device=rows))
             chunks += 1
             self._dispatch[self.geometry_route] += 1
         return outs, chunks
@@ -422,9 +427,14 @@ class ReferenceEngine:
             self._store(state)
             self._current = state
         assert state.last_logits is not None  # set by the chunk that ran last
-        logits = state.last_logits.float().cpu()
-        return PrefillResult(int(logits.argmax()), hashlib.sha256(logits.numpy().tobytes())
-                             .hexdigest(), len(ids), seconds, chunks)
+        return prefill_result(state.last_logits, len(ids), seconds, chunks)
+
+    def cold_prefill_call(self, token_ids: list[int]) -> ColdPrefillCall:
+        """One cold prefill of ``token_ids`` as a call a CUDA graph can capture (see
+        :class:`ColdPrefillCall`): the same chunks through the same routes as :meth:`prefill`
+        from an empty prefix cache, the ids copied to the device here, once."""
+        ids = self._check_ids(token_ids, "cold_prefill_call")
+        return ColdPrefillCall(self, ids, torch.tensor([ids], device=self.device))
 
     def prefill_logits(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """Log-probs [len(positions), V] (fp64, on the CPU) of the next token after each of
@@ -601,6 +611,57 @@ class ReferenceEngine:
 
     def __repr__(self) -> str:
         return f"<ReferenceEngine {self.selection} profile={self.profile} device={self.device}>"
+
+
+def prefill_result(last_logits: torch.Tensor, tokens: int, seconds: float,
+                   chunks: int) -> PrefillResult:
+    """What a prefill reports: the greedy first token and the sha256 of the last position's
+    logits (fp32 bytes), the same for an eager prefill and a graph replay of one."""
+    logits = last_logits.float().cpu()
+    return PrefillResult(int(logits.argmax()), hashlib.sha256(logits.numpy().tobytes())
+                         .hexdigest(), tokens, seconds, chunks)
+
+
+class ColdPrefillCall:
+    """A cold prefill that copies nothing between host and device and keeps nothing between
+    runs: each call starts a fresh state, runs every chunk through the engine's routes and
+    returns the last position's logits, a device tensor. So a CUDA graph can capture it, and
+    the prefill gate times its replays on CUDA, where the eager prefill of this small model is
+    mostly the host launching small kernels (docs/gates.md, "prefill").
+
+    A replay runs no Python, so it records no route hits: :meth:`book` books the hits of the
+    last call again (in the engine's counters and in ``pytest_dflash.native.hits``), once per
+    replay, as the replay ran the same kernels. Nothing goes to the prefix cache.
+    """
+
+    def __init__(self, engine: ReferenceEngine, ids: list[int], on_device: torch.Tensor) -> None:
+        self.engine, self.ids, self.on_device = engine, ids, on_device
+        self.chunks = math.ceil(len(ids) / engine.chunk)
+        self._dispatch: Counter[str] = Counter()
+        self._kernel: Counter[str] = Counter()
+        self._hits: dict[tuple[str, str], int] = {}
+
+    def __call__(self) -> torch.Tensor:
+        engine = self.engine
+        dispatch, kernel = Counter(engine._dispatch), Counter(engine._kernel)
+        with hits.counting() as delta, engine._tracked():
+            state = engine._fresh()
+            engine._run_chunks(state, self.ids, all_logits=False, on_device=self.on_device)
+        self._dispatch, self._kernel = engine._dispatch - dispatch, engine._kernel - kernel
+        self._hits = dict(delta.counts)
+        assert state.last_logits is not None  # set by the chunk that ran last
+        return state.last_logits
+
+    def book(self) -> None:
+        """Count one more run of the last call's kernels (a graph replay of it)."""
+        self.engine._dispatch.update(self._dispatch)
+        self.engine._kernel.update(self._kernel)
+        for (route, op), n in self._hits.items():
+            hits.record(route, op, n)
+
+    def result(self, last_logits: torch.Tensor) -> PrefillResult:
+        """The PrefillResult of a run whose last-position logits are ``last_logits``."""
+        return prefill_result(last_logits, len(self.ids), 0.0, self.chunks)
 
 
 def build(selection: Mapping[str, str], profile: str, device: str | torch.device = "cpu",

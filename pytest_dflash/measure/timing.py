@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_dflash.measure import progress, timing_pool
+from pytest_dflash.measure import cuda_graphs, progress, timing_pool
 from pytest_dflash.measure.decision import (
     FAIL,
     INCONCLUSIVE,
@@ -342,64 +342,23 @@ def pair_timers(pair: timing_pool.TimedPair, device: torch.device,
     """
     dev = torch.device(device)
     before = pair.before_each
-    info: dict[str, Any] = {"graph": None}
+    info: dict[str, Any] = {"graph": None, **pair.info}
     cand, base = pair.candidate, pair.baseline
     if dev.type == "cuda" and pair.graph and before is None:
-        captured, why = _capture_pair(cand, base, dev)
-        if captured is not None:
+        try:
+            captured = cuda_graphs.capture((cand, base), dev, warmup=3)
+        except cuda_graphs.CaptureRefused as why:
+            info["graph"] = f"not captured, timed eagerly: {why}"
+        else:
             eager = (cand, base)
-            cand, base = captured
+            cand, base = captured.replays
             timer = timer_for(dev)
             info["graph"] = "captured"
             info["eager_s"] = {"candidate": min(timer(eager[0]) for _ in range(5)),
                                "baseline": min(timer(eager[1]) for _ in range(5))}
-        else:
-            info["graph"] = f"not captured, timed eagerly: {why}"
     calls = 1 if before is not None else calls_per_sample(base, dev, policy.cpu_sample_min_s)
     info["calls_per_sample"] = calls
     return round_timer(cand, base, device=dev, calls=calls, before_each=before), info
-
-
-def _capture_pair(candidate: Callable[[], Any], baseline: Callable[[], Any],
-                  device: torch.device) -> tuple[tuple[Callable[[], Any], Callable[[], Any]] | None,
-                                                 str]:
-    """Both calls captured in CUDA graphs (warmed up on a side stream first), or the reason."""
-    graphs = []
-    try:
-        with torch.cuda.device(device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for fn in (candidate, baseline):
-                    for _ in range(3):
-                        fn()
-            torch.cuda.current_stream().wait_stream(side)
-            for fn in (candidate, baseline):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
-                graphs.append(graph)
-            torch.cuda.synchronize(device)
-    except Exception as exc:  # noqa: BLE001 - any capture failure means: time it eagerly
-        torch.cuda.synchronize(device)
-        graphs.clear()
-        _clear_capturing_rng(device)
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return (graphs[0].replay, graphs[1].replay), ""
-
-
-def _clear_capturing_rng(device: torch.device) -> None:
-    """Give the device's default generator a fresh state with the same seed and offset.
-
-    torch ends a capture's bookkeeping of the generator (its capture epilogue) only after the
-    capture itself ended well; a capture refused mid-way (a host sync in the step) leaves the
-    generator marked as capturing, and every later random op on the device, in the eager
-    timing that follows or in the next gate's job of the same worker, raises "Offset increment
-    outside graph capture encountered unexpectedly". A cloned state is not marked.
-    """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    generator = torch.cuda.default_generators[index]
-    generator.graphsafe_set_state(generator.clone_state())
 
 
 def _verdict_words(result: PairedResult | ProcessResult) -> str:

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -55,6 +56,7 @@ class WorkerContext:
         self.candidate: str | None = None
         self.candidate_code = CandidateCode()
         self._factory: Any = None
+        self.prepared: Prepared | None = None  # the job built ahead of its time request
         self.registry, manager, route_plugins = _rebuild_registry(
             spec["plugins"], spec.get("worker_plugins") or [], self.policy)
         manager.register(_DefaultEngine(self), "dflash-worker-engine")
@@ -204,10 +206,23 @@ def rounds_for(round_s: float | None, *, minimum: int, maximum: int, budget_s: f
     return wanted + (wanted % 2 if wanted < maximum else 0)
 
 
-def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str, Any]:
-    """Build, warm up and time one job; the answer carries raw seconds and the timed hits."""
-    from pytest_dflash.measure.timing import pair_timers
-    from pytest_dflash.native import hits
+@dataclass
+class Prepared:
+    """A job's pair as its builder made it, waiting for its turn to be timed."""
+
+    key: str
+    pair: TimedPair
+    candidate: str | None
+    candidate_code: CandidateCode
+    build_s: float
+
+
+def _job_key(message: dict[str, Any]) -> str:
+    return json.dumps([message["builder"], message.get("kwargs", {})], sort_keys=True)
+
+
+def build_job(ctx: WorkerContext, message: dict[str, Any]) -> Prepared:
+    """The job's pair from its builder (engines, inputs, a capture), and the seconds it took."""
     from pytest_dflash.routes.registry import resolve
 
     start = time.perf_counter()
@@ -219,6 +234,34 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
         raise TypeError(
             f"builder {message['builder']} returned {type(pair).__name__}, expected a TimedPair"
         )
+    return Prepared(_job_key(message), pair, ctx.candidate, ctx.candidate_code,
+                    time.perf_counter() - start)
+
+
+def prepare_job(ctx: WorkerContext, message: dict[str, Any]) -> dict[str, Any]:
+    """Build a job's pair ahead of its ``time`` request (the pool prepares a look's workers
+    together, then times them one at a time). A worker holds one prepared job: a newer one
+    replaces it, so a look abandoned by an error leaves nothing behind for long."""
+    ctx.prepared = build_job(ctx, message)
+    return {"prepared_s": ctx.prepared.build_s}
+
+
+def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str, Any]:
+    """Build (unless prepared), warm up and time one job; the answer carries raw seconds and
+    the timed hits."""
+    from pytest_dflash.measure.timing import pair_timers
+    from pytest_dflash.native import hits
+
+    start = time.perf_counter()
+    prepared = ctx.prepared
+    ctx.prepared = None
+    if prepared is None or prepared.key != _job_key(message):
+        prepared = build_job(ctx, message)
+        built_here = prepared.build_s
+    else:
+        built_here = 0.0
+        ctx.candidate, ctx.candidate_code = prepared.candidate, prepared.candidate_code
+    pair = prepared.pair
     run_round, info = pair_timers(pair, ctx.device, ctx.policy)
     round_s = None
     budget_s = float(message.get("budget_s", 0.0))
@@ -236,7 +279,10 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
     info["warmup_rounds"] = warmed
     # how this process's allocator was set: the report shows what each statistic was timed under
     info["allocator"] = {name: os.environ.get(name) for name in ALLOCATOR_ENV}
-    setup_s = time.perf_counter() - start
+    # the build counts whether it ran here or was prepared beside the look's other workers
+    setup_s = time.perf_counter() - start - built_here + prepared.build_s
+    info["build_s"] = round(prepared.build_s, 3)
+    info["prepared"] = built_here == 0.0
     rounds = rounds_for(round_s, minimum=int(message["rounds"]),
                         maximum=int(message.get("max_rounds", message["rounds"])),
                         budget_s=budget_s)
@@ -255,8 +301,8 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
             if time.monotonic() - last > 2.0:
                 beat({"progress": len(cand)})
                 last = time.monotonic()
-    if pair.facts is not None:
-        info["facts"] = pair.facts()
+        if pair.facts is not None:  # inside the count: it may book the last run's hits
+            info["facts"] = pair.facts()
     return {
         "candidate_s": cand,
         "baseline_s": base,
@@ -308,6 +354,8 @@ def main() -> int:
                         "routes": sorted(r.name for r in ctx.registry),
                     }
                 )
+            elif op == "prepare":
+                send(prepare_job(ctx, message))
             elif op == "time":
                 send(time_job(ctx, message, send))
             elif op == "crash":  # for the protocol's tests: an abrupt exit mid-request

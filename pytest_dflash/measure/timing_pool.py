@@ -11,8 +11,9 @@ takes seconds, so a :class:`TimingPool` of ``policy.timing_processes`` workers i
 per pytest run (lazily, at the first timing gate) and shared by every timing gate. A gate's
 later look takes the next workers of the pool (no process contributes twice to one gate), which
 are started together when a look first needs them and then stay for later gates.
-Only one worker times at a time (the parent hands a job to one worker and waits for its
-answer), so two timing workers never share a device while timing.
+A look's workers first build the job's pair together (``prepare``: engines, inputs, a CUDA
+graph capture), then each is timed alone (the parent hands the job to one worker and waits for
+its answer), so two timing workers never share a device while timing.
 
 What a worker times is a *job*: a builder named ``"module:function"`` (defined by the suite
 module, e.g. ``dflash_suites.support.gemm:verify_step_pair``) and JSON keyword arguments. The
@@ -103,6 +104,9 @@ class TimedPair:
     # called once after the timed rounds: JSON facts the gate checks (e.g. the first-token
     # hashes of every cold prefill), sent back in the process's info as "facts"
     facts: Callable[[], dict[str, Any]] | None = None
+    # how the builder made the calls, for the process's info in the report (e.g. a cold
+    # prefill captured in a CUDA graph by the builder itself: {"graph": ...})
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,10 @@ class _Worker:
     ) -> dict[str, Any]:
         """Send one request and wait for its answer (progress lines only keep it alive)."""
         self._send(message)
+        return self.answer(label, timeout_s)
+
+    def answer(self, label: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """The answer to the request sent last; TimingWorkerError if it is an error."""
         while True:
             answer = self._line(label, self.timeout_s if timeout_s is None else timeout_s)
             if "progress" in answer:
@@ -377,8 +385,10 @@ class TimingPool:
         from pytest_dflash.measure.process_statistics import ProcessSample
 
         self._ensure(label, max(self.size, first + count))
+        workers = self._workers[first : first + count]
+        self._prepare(workers, job, label)
         samples: list[ProcessSample] = []
-        for i, worker in enumerate(self._workers[first : first + count]):
+        for i, worker in enumerate(workers):
             answer = worker.request(
                 {
                     "op": "time",
@@ -405,6 +415,24 @@ class TimingPool:
                 )
             )
         return samples
+
+    def _prepare(self, workers: Sequence[_Worker], job: TimingJob, label: str) -> None:
+        """Every worker of a look builds the job's pair at once (engines, inputs, a CUDA graph
+        capture: seconds of host work each), and only then is each timed, alone. Nothing is
+        timed while they build, so a look costs about one build instead of one per worker.
+        Every answer is read before an error is raised, so no worker is left with a stale one.
+        """
+        message = {"op": "prepare", "builder": job.builder, "kwargs": job.kwargs}
+        for worker in workers:
+            worker._send(message)
+        failure: TimingWorkerError | None = None
+        for worker in workers:
+            try:
+                worker.answer(label)
+            except TimingWorkerError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def ask(self, message: dict[str, Any], label: str) -> list[dict[str, Any]]:
         """Send ``message`` to every pool worker; their answers (for tests and diagnostics)."""

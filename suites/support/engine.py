@@ -85,6 +85,42 @@ class PrefillRuns:
                 "chunks": sorted(self.chunks), "runs": self.runs, "expected_chunks": expected}
 
 
+class ReplayedPrefillRuns(PrefillRuns):
+    """Cold prefills of one engine as replays of one CUDA graph of its ``cold_prefill_call``.
+
+    The timed call is the replay alone. What a run yielded (its first-token hash and greedy
+    token, read from the graph's output) and its route hits (``ColdPrefillCall.book``) are
+    taken untimed, before the next sample (``reset``) or with the facts."""
+
+    def __init__(self, runs: PrefillRuns, call: Any, replay: Any, output: Any) -> None:
+        super().__init__(runs.engine, runs.ids)
+        self.call, self.replay, self.output = call, replay, output
+        self.pending = False
+
+    def reset(self) -> None:
+        self.settle()
+
+    def __call__(self) -> None:
+        self.replay()
+        self.pending = True
+
+    def settle(self) -> None:
+        """Take the last replay's result and book its route hits (once per replay)."""
+        if not self.pending:
+            return
+        result = self.call.result(self.output)
+        self.call.book()
+        self.hashes.add(result.first_token_hash)
+        self.first_tokens.add(result.first_token)
+        self.chunks.add(result.chunks)
+        self.runs += 1
+        self.pending = False
+
+    def facts(self) -> dict[str, Any]:
+        self.settle()
+        return super().facts()
+
+
 class ColdPrefillPair:
     """Candidate and baseline cold prefills of one prompt, both prefix caches reset before
     every timed run, and the candidate's route hits over the runs."""
@@ -98,6 +134,28 @@ class ColdPrefillPair:
     def before_each(self) -> None:
         self.candidate.reset()
         self.baseline.reset()
+
+    def capture(self, device: Any) -> dict[str, Any]:
+        """On CUDA, both sides' cold prefills captured in CUDA graphs, whose replays are then
+        timed (one warm-up run of each first); how it went, for the report. An engine without
+        a ``cold_prefill_call`` or a prefill the capture refuses is timed eagerly, and the
+        report says why (docs/gates.md, "prefill")."""
+        from pytest_dflash.measure import cuda_graphs
+
+        sides = (self.candidate, self.baseline)
+        calls = [getattr(side.engine, "cold_prefill_call", None) for side in sides]
+        if any(call is None for call in calls):
+            return {"graph": "not captured, timed eagerly: the engine has no cold_prefill_call"}
+        prefills = [call(side.ids) for call, side in zip(calls, sides, strict=True)]
+        try:
+            captured = cuda_graphs.capture(prefills, device, warmup=1)
+        except cuda_graphs.CaptureRefused as why:
+            return {"graph": f"not captured, timed eagerly: {why}"}
+        self.candidate, self.baseline = (
+            ReplayedPrefillRuns(side, call, replay, output) for side, call, replay, output
+            in zip(sides, prefills, captured.replays, captured.outputs, strict=True))
+        return {"graph": "captured: each cold prefill is one graph replay",
+                "eager_s": dict(zip(("candidate", "baseline"), captured.warm_s, strict=True))}
 
     def facts(self) -> dict[str, Any]:
         ran = self.candidate.engine.route_hits().get(self.route, 0) - self._hits_before
@@ -134,12 +192,14 @@ def check_prefill_runs(merged: dict[str, Any], label: str) -> tuple[str, int]:
 
 def cold_prefill_pair(ctx: Any, *, route: str, baseline: str, length: int) -> Any:
     """Timing-worker builder of the prefill gate: cold prefills of ``length``
-    prompt tokens on the candidate's and the baseline's engines (eager, one call a sample)."""
+    prompt tokens on the candidate's and the baseline's engines, one call a sample: graph
+    replays on CUDA where the engine's prefill can be captured, else eager."""
     from pytest_dflash.measure.timing_pool import TimedPair
 
     pair = ColdPrefillPair(ctx.engine(baseline), ctx.engine(route), route, length)
+    info = pair.capture(ctx.device) if ctx.device.type == "cuda" else {}
     return TimedPair(pair.candidate, pair.baseline, before_each=pair.before_each,
-                     facts=pair.facts)
+                     facts=pair.facts, info=info)
 
 
 def verify_drafts(engine: Any, prompt_tokens: int, widths: int) -> list[list[int]]:
