@@ -16,6 +16,7 @@
 # hfselftest  the self-test of linear.gdn.fla_chunk inside the Qwen3.5 hybrid (quick profile):
 #           its planted defects (state dropped at a chunk seam, q/k L2 norm dropped)
 # cudatests the plugin's own tests of CUDA graphs and timing workers (tests/), on cuda
+# prefillgraph  eager cold prefills against graph replays of them (benchmarks/prefill_graph.py)
 # selftest  the self-test, quick profile, on cuda
 # main      the main job, full profile, on cuda (--durations=40)
 # aa        the timing calibration self-test 10 times: qpn2_packed's validation_cost A/A copy
@@ -96,6 +97,10 @@ EOF
     cudatests)
         timed cudatests "${CUDATESTS_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider \
             tests/test_timing_graph.py tests/test_timing_workers.py tests/test_engine.py
+        ;;
+    prefillgraph)
+        timed prefillgraph "${PREFILLGRAPH_LIMIT:-240}" python3 benchmarks/prefill_graph.py \
+            --out "$WORK/prefill-graph.json" --runs "${PREFILLGRAPH_RUNS:-3}"
         ;;
     selftest)
         timed selftest "${SELFTEST_LIMIT:-300}" pytest-dflash selftest \
