@@ -60,7 +60,13 @@ def main() -> None:
             engine.reset_prefix_cache()
             call = engine.cold_prefill_call(ids)
             began = time.perf_counter()
-            captured = cuda_graphs.capture([call], dev, warmup=1)
+            try:
+                captured = cuda_graphs.capture([call], dev, warmup=1)
+            except cuda_graphs.CaptureRefused as why:
+                rows.append({"length": length, "route": route, "refused": str(why),
+                             "eager_s": round(statistics.median(eager[1:]), 4)})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
             capture_s = time.perf_counter() - began
             replay = captured.replays[0]
             replays = [cuda_timer(replay, dev) for _ in range(args.runs + 1)]

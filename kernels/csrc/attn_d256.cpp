@@ -549,9 +549,16 @@ void paged_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   check_aligned("paged", {&q, &k_cache, &v_cache, &out});
   // Block ids are checked on a host copy of the used entries (a small synchronous copy): an
   // out-of-range id read on the device would be an illegal address, not an error message.
+  // Not while a CUDA graph is captured: a capture refuses the copy, and an engine captures a
+  // step only after eager calls of the very same step, which made the check.
   const int64_t bs = k_cache.size(1);
-  const at::Tensor used = block_table.narrow(0, 0, (kv_len + bs - 1) / bs).cpu();
-  check_block_table_values(used, kv_len, bs, k_cache.size(0));
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(
+      c10::cuda::getCurrentCUDAStream(q.get_device()).stream(), &capture));
+  if (capture == cudaStreamCaptureStatusNone) {
+    const at::Tensor used = block_table.narrow(0, 0, (kv_len + bs - 1) / bs).cpu();
+    check_block_table_values(used, kv_len, bs, k_cache.size(0));
+  }
   run_cuda(q, k_cache, v_cache, &block_table, kv_len, k_cache.size(2), out, softmax_scale,
            causal, 1);
 }
