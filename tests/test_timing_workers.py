@@ -60,6 +60,16 @@ def broken(ctx):
     raise ValueError("the builder cannot build this pair")
 
 
+def mixed(ctx, *, marker):
+    """The first worker to build says its calls were captured in a graph, the others not."""
+    import os
+
+    first = not os.path.exists(marker)
+    open(marker, "a").close()
+    info = {{"graph": "captured: planted"}} if first else {{}}
+    return TimedPair(lambda: spin(0.0005), lambda: spin(0.0005), info=info)
+
+
 def slow_build(ctx, *, log, seconds):
     """A pair that takes ``seconds`` to build; build and first-call times go to ``log``."""
     import os
@@ -250,6 +260,21 @@ def test_a_failed_build_of_a_look_leaves_its_workers_usable(pool):
     job = TimingJob("timing_jobs_for_test:pair", {"base_s": 0.0005, "factor": 1.0})
     samples = pool.sample(job, 2, rounds=4, warmup=1, seed=5, label="next")
     assert [len(s.candidate_s) for s in samples] == [4, 4]
+
+
+def test_a_gate_whose_processes_timed_in_different_ways_is_an_error_not_a_verdict(
+        pool, tmp_path):
+    """Graph replays in one process and eager calls in another measure different things: the
+    gate stops with an error naming both ways, instead of deciding on a mixed interval."""
+    from pytest_dflash.measure.timing import speed_gate
+    from pytest_dflash.measure.timing_pool import TimingSetup
+
+    job = TimingJob("timing_jobs_for_test:mixed", {"marker": str(tmp_path / "first")})
+    with pytest.raises(TimingWorkerError, match=r"mixed gate: its processes were timed in "
+                                                r"different ways \((captured: planted; None|None; captured: planted)\)"):
+        speed_gate(None, None, policy=Policy(timing_processes=2, cpu_sample_min_s=0.0),
+                   device="cpu", record=lambda **_: None, label="mixed gate", job=job,
+                   timing=TimingSetup(pool))
 
 
 @pytest.mark.parametrize("side", ["candidate", "baseline"])

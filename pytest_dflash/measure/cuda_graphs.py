@@ -7,7 +7,10 @@ graph is one launch, so the events around it time the GPU's work. Deployments re
 M <= 8 verify steps this way; the prefill gate also captures the small reference model's whole
 cold prefill on CUDA, where its eager form is thousands of launches of small kernels.
 
-A capture needs the calls to have run before: lazy handles, workspaces and first-call costs
+The graphs of one capture share one memory pool: they replay one after the other, never
+together, and each reads only its own inputs, so one pool holds the temporaries of both sides
+of a pair (a 64K-token prefill's are gigabytes) and their outputs, which stay alive. A capture
+needs the calls to have run before: lazy handles, workspaces and first-call costs
 must happen outside it. So each call runs ``warmup`` times on a side stream first. A call that
 cannot be captured (a host sync, a host-to-device copy) raises :class:`CaptureRefused` with
 the reason, and the device is left usable: the caller times it eagerly and says why.
@@ -67,9 +70,14 @@ def capture(calls: Sequence[Callable[[], Any]], device: torch.device | str, *,
                         seconds = time.perf_counter() - began
                     warm_s.append(seconds)
             torch.cuda.current_stream().wait_stream(side)
+            # what the warm-up runs left cached goes back to the device first: a graph's
+            # memory is a pool of its own, and on one GPU every timing worker captures
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
+            pool = torch.cuda.graph_pool_handle()
             for fn in calls:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, pool=pool):
                     outputs.append(fn())
                 graphs.append(graph)
             torch.cuda.synchronize(dev)
@@ -78,6 +86,7 @@ def capture(calls: Sequence[Callable[[], Any]], device: torch.device | str, *,
         graphs.clear()
         outputs.clear()
         clear_capturing_rng(dev)
+        release(dev)
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise CaptureRefused(f"{type(exc).__name__}: {first}") from exc
     return Captured(graphs, outputs, warm_s)
@@ -95,3 +104,14 @@ def clear_capturing_rng(device: torch.device) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     generator = torch.cuda.default_generators[index]
     generator.graphsafe_set_state(generator.clone_state())
+
+
+def release(device: torch.device | str) -> None:
+    """Give this process's unused device memory back (graphs dropped, cache emptied), so the
+    other timing workers on the same GPU can build and capture theirs. A no-op on the CPU."""
+    import gc
+
+    if torch.device(device).type != "cuda":
+        return
+    gc.collect()  # a graph in a reference cycle holds its pool until collected
+    torch.cuda.empty_cache()

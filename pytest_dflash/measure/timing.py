@@ -283,6 +283,7 @@ def _across_processes(pool: timing_pool.TimingPool, job: timing_pool.TimingJob, 
     threshold = threshold_for(rule, policy)
     seed = policy.seed + zlib.crc32(label.encode())
     used = [0]
+    modes: dict[str, str] = {}
 
     def sample(count: int, rounds: int) -> list[Any]:
         samples = pool.sample(job, count, rounds=rounds, warmup=policy.speed_warmup,
@@ -290,6 +291,14 @@ def _across_processes(pool: timing_pool.TimingPool, job: timing_pool.TimingJob, 
                               max_rounds=policy.timing_max_rounds_per_process,
                               budget_s=budget_s)
         used[0] += count
+        for s in samples:
+            modes.setdefault(timing_mode(s.info), str(s.info.get("graph")))
+        if len(modes) > 1:
+            raise timing_pool.TimingWorkerError(
+                f"{label}: its processes were timed in different ways ({'; '.join(modes.values())}"
+                "): graph replays and eager calls measure different things, and one interval "
+                "cannot hold both. A capture that failed in some workers only is usually device "
+                "memory: run fewer timing gates at once on the device, or free its memory")
         return samples
 
     with progress.gate(label, rule=rule, threshold=threshold,
@@ -301,6 +310,11 @@ def _across_processes(pool: timing_pool.TimingPool, job: timing_pool.TimingJob, 
             rounds=policy.timing_min_rounds_per_process, confidence=policy.speed_confidence,
             rule=rule, threshold=threshold, max_rounds=policy.timing_max_rounds_per_process,
             futility=policy.timing_futility)
+
+
+def timing_mode(info: dict[str, Any]) -> str:
+    """How a process timed its calls: ``graph`` (replays of captured CUDA graphs) or ``eager``."""
+    return "graph" if str(info.get("graph") or "").startswith("captured") else "eager"
 
 
 def _in_process(candidate: Callable[[], Any], baseline: Callable[[], Any], *, policy: Policy,

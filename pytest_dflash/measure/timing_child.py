@@ -242,6 +242,10 @@ def prepare_job(ctx: WorkerContext, message: dict[str, Any]) -> dict[str, Any]:
     """Build a job's pair ahead of its ``time`` request (the pool prepares a look's workers
     together, then times them one at a time). A worker holds one prepared job: a newer one
     replaces it, so a look abandoned by an error leaves nothing behind for long."""
+    from pytest_dflash.measure import cuda_graphs
+
+    ctx.prepared = None
+    cuda_graphs.release(ctx.device)
     ctx.prepared = build_job(ctx, message)
     return {"prepared_s": ctx.prepared.build_s}
 
@@ -249,6 +253,7 @@ def prepare_job(ctx: WorkerContext, message: dict[str, Any]) -> dict[str, Any]:
 def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str, Any]:
     """Build (unless prepared), warm up and time one job; the answer carries raw seconds and
     the timed hits."""
+    from pytest_dflash.measure import cuda_graphs
     from pytest_dflash.measure.timing import pair_timers
     from pytest_dflash.native import hits
 
@@ -303,6 +308,9 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
                 last = time.monotonic()
         if pair.facts is not None:  # inside the count: it may book the last run's hits
             info["facts"] = pair.facts()
+    # the pair's engines stay cached, its buffers and graphs go: the next worker builds now
+    del pair, prepared, run_round
+    cuda_graphs.release(ctx.device)
     return {
         "candidate_s": cand,
         "baseline_s": base,
