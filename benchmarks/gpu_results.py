@@ -16,6 +16,8 @@ naming the card, torch, CUDA and the commit the job ran:
   its verdict and each gate's figure (docs/library-routes.md);
 * ``<card>-selftest-quick.json``: the quick self-test's catch table and its seconds;
 * ``<card>-hf-selftest.json``: the planted defects of linear.gdn.fla_chunk, caught or not;
+* ``<card>-prefill-graph.json``: eager cold prefills against graph replays of them
+  (``benchmarks/prefill_graph.py``);
 * ``<card>-timing-aa-validation-cost.json``: the A/A and planted-slowdown counts of every
   ``aa*.run*.json``.
 
@@ -277,6 +279,32 @@ def main(argv: list[str] | None = None) -> int:
                      about=about, command=command, **common),
             "values": {"columns": ["route", "gate", "route status", "unchanged copy",
                                    "caught", "planted defects"], "rows": rows}})
+
+    graph_path = folder / "prefill-graph.json"
+    if graph_path.exists():
+        bench = json.loads(graph_path.read_text())
+        rows = [[r["length"], r["route"], r.get("chunks"), r["eager_s"], r.get("replay_s"),
+                 r.get("host_share"), r.get("capture_s"),
+                 r.get("same_hash") if "refused" not in r else f"refused: {r['refused']}"]
+                for r in bench["rows"]]
+        write(results / f"{slug}-prefill-graph.json", {
+            **header(env, topic="prefill timing",
+                     title=f"Cold prefill, eager and as one CUDA graph replay, on one "
+                           f"{env['card']}",
+                     about="The reference engine's cold prefill at the full profile's lengths "
+                           "(the baseline engine, then each candidate switched in): the median "
+                           f"of {bench['runs']} eager prefills (wall time, device synchronized) "
+                           "and of as many replays of the same prefill captured in one CUDA "
+                           "graph (CUDA events, L2 flushed before each), the share of the "
+                           "eager time that the replay does not spend (the host launching "
+                           "kernels), the seconds of the capture, and whether the replay's "
+                           "first-token hash is the eager prefill's.",
+                     command="python benchmarks/prefill_graph.py --out prefill-graph.json "
+                             "--runs 3", **common),
+            "values": {"columns": ["tokens", "engine", "chunks", "eager s", "replay s",
+                                   "host share", "capture s", "same hash"], "rows": rows}})
+    else:
+        print("no prefill-graph.json: prefill graph result not written")
 
     runs = sorted(folder.glob("aa*.run*.json"))
     runs = [p for p in runs if not p.name.endswith(".repeat.json")]
