@@ -145,3 +145,31 @@ def test_the_prefill_gate_times_replays_of_each_whole_cold_prefill():
     assert facts["candidate"]["hashes"] == [eager.first_token_hash]
     assert facts["candidate"]["chunks"] == [eager.chunks] == [facts["candidate"]["expected_chunks"]]
     assert candidate.route_hits()[route] - hits_before == 3 * eager.chunks  # booked per replay
+
+
+def test_a_planted_prefill_slowdown_is_captured_with_the_prefill():
+    """The self-test's planted prefill slowdown on CUDA is a spin kernel inside the captured
+    prefill, sized from the prefill's own replay (not its eager span, mostly host launches):
+    the slowed graph replays the same logits, its spin is the planted fraction of the plain
+    prefill's replay, and it runs only in the replays' GPU time."""
+    import statistics
+
+    from pytest_dflash.engines.data import prompt_ids
+    from pytest_dflash.engines.reference import build
+    from pytest_dflash.measure import cuda_graphs
+    from pytest_dflash.measure.timing import cuda_timer
+    from pytest_dflash.selftest.engine import SlowedPrefillCall
+
+    dev = torch.device("cuda")
+    engine = build({}, "quick", dev)
+    ids = prompt_ids(512, engine.encode)
+    plain = engine.cold_prefill_call(ids)
+    slowed = SlowedPrefillCall(engine.cold_prefill_call(ids), 0.5, dev)
+    captured = cuda_graphs.capture([plain, slowed], dev, warmup=1)
+    plain_s, slowed_s = (statistics.median(cuda_timer(replay, dev) for _ in range(7))
+                         for replay in captured.replays)
+    assert slowed.spin_s == pytest.approx(0.5 * plain_s, rel=0.3)
+    assert slowed_s > plain_s + 0.5 * slowed.spin_s
+    hashes = [call.result(out).first_token_hash
+              for call, out in zip((plain, slowed), captured.outputs, strict=True)]
+    assert hashes[0] == hashes[1]

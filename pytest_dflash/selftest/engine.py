@@ -70,6 +70,15 @@ class EngineSelftest:
                 busy_wait(fraction * result.seconds)
         return result
 
+    def cold_prefill_call(self, token_ids: list[int]) -> Any:
+        """The inner engine's capturable cold prefill (the prefill gate captures it on CUDA),
+        with the planted slowdown inside it: a spin kernel after the prefill, of the fraction
+        of the prefill's time as a graph replay, so the replays the gate times carry it.
+        AttributeError where the inner engine has none (the gate then times eagerly)."""
+        call = self.inner.cold_prefill_call(token_ids)
+        fraction = self.planted.defect.slowdown if self.planted.defect else None
+        return SlowedPrefillCall(call, fraction, self.inner.device) if fraction else call
+
     def score(self, token_ids: list[int]) -> list[float]:
         logprobs = list(self.inner.score(token_ids))
         if self._defect != "ppl_shift" or not logprobs:
@@ -127,6 +136,47 @@ class EngineSelftest:
 
     def __repr__(self) -> str:
         return f"<self-test engine {self.planted.name} over {self.inner!r}>"
+
+
+class SlowedPrefillCall:
+    """An engine's ``ColdPrefillCall`` followed by a spin kernel of ``fraction`` of its GPU
+    time, captured with it. The time is that of the prefill's own graph replay, measured once
+    (a capture of the prefill alone, median of three replays timed with events): an eager
+    prefill's span is mostly the host launching kernels, and a slowdown planted on it would
+    cost several times the fraction it claims once replayed."""
+
+    def __init__(self, inner: Any, fraction: float, device: Any) -> None:
+        self.inner, self.fraction, self.device = inner, fraction, device
+        self.spin_s: float | None = None
+
+    def __getattr__(self, attr: str) -> Any:  # chunks, result, book: the inner call's
+        return getattr(self.inner, attr)
+
+    def __call__(self) -> Any:
+        import torch
+
+        if self.spin_s is None and not torch.cuda.is_current_stream_capturing():
+            self.spin_s = self.fraction * _replay_seconds(self.inner, self.device)
+        out = self.inner()
+        if self.spin_s is None:
+            raise RuntimeError("a planted prefill slowdown was captured before it was timed: "
+                               "run the call once eagerly first (cuda_graphs.capture does)")
+        gpu_spin(self.spin_s, self.device)
+        return out
+
+
+def _replay_seconds(call: Callable[[], Any], device: Any) -> float:
+    """GPU seconds of ``call`` as a CUDA graph replay (median of three, events around each)."""
+    import statistics
+
+    from pytest_dflash.measure import cuda_graphs
+    from pytest_dflash.measure.timing import cuda_timer
+
+    captured = cuda_graphs.capture([call], device, warmup=1)
+    seconds = statistics.median(cuda_timer(captured.replays[0], device) for _ in range(3))
+    del captured
+    cuda_graphs.release(device)
+    return seconds
 
 
 def build(config: pytest.Config | WorkerContext, selection: dict[str, str], profile: str,
