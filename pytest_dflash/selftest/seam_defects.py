@@ -31,7 +31,8 @@ class StateZeroedAtSeams(ReferenceEngine):
     state (the paged KV of earlier chunks is kept)."""
 
     def _run_chunks(
-        self, state: Any, ids: list[int], all_logits: bool
+        self, state: Any, ids: list[int], all_logits: bool,
+        on_device: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], int]:
         outs, chunks = [], 0
         for pos in range(0, len(ids), self.chunk):
@@ -39,7 +40,9 @@ class StateZeroedAtSeams(ReferenceEngine):
                 for layer, (conv, ssm) in enumerate(zip(state.conv, state.ssm, strict=True)):
                     if ssm is not None:
                         state.conv[layer], state.ssm[layer] = conv * 0, ssm * 0
-            part, _ = super()._run_chunks(state, ids[pos : pos + self.chunk], all_logits)
+            rows = None if on_device is None else on_device[:, pos : pos + self.chunk]
+            part, _ = super()._run_chunks(state, ids[pos : pos + self.chunk], all_logits,
+                                          on_device=rows)
             outs += part
             chunks += 1
         return outs, chunks
@@ -50,9 +53,10 @@ class LastChunkKVDropped(ReferenceEngine):
     has run (its own logits are computed before, so only later steps see the loss)."""
 
     def _run_chunks(
-        self, state: Any, ids: list[int], all_logits: bool
+        self, state: Any, ids: list[int], all_logits: bool,
+        on_device: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], int]:
-        outs, chunks = super()._run_chunks(state, ids, all_logits)
+        outs, chunks = super()._run_chunks(state, ids, all_logits, on_device=on_device)
         if ids:
             end = len(state.tokens)
             start = end - (len(ids) - (chunks - 1) * self.chunk)
