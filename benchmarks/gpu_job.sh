@@ -24,8 +24,9 @@
 #           name, aa by default, so the runs of two calls, e.g. aa and aa2, pool in one folder)
 # pack      reports, logs, the build cache and the Triton cache into $OUT
 #
-# Each stage refreshes $OUT/logs.tgz (every log and stages.log) when it ends, so a call that is
-# stopped by its own time limit still brings back the logs of the stages that finished.
+# Each stage refreshes $OUT/logs.tgz (every log and stages.log) when it ends, and main, selftest
+# and prefillgraph copy their report to $OUT, so a call that is stopped by its own time limit
+# still brings back the logs and reports of the stages that finished.
 set -u
 OUT="${OUT:?set OUT}"
 WORK="${WORK:-/tmp/dflash-gpu}"
@@ -47,6 +48,11 @@ timed() {  # timed NAME LIMIT_S COMMAND...: run, log, and note seconds and exit 
     # every stage's log in $OUT at once: a call stopped later by its own limit keeps them
     tar -czf "$OUT/logs.tgz" -C "$WORK" --exclude='*.json' . 2>/dev/null
     [ -f "$WORK/env.json" ] && cp "$WORK/env.json" "$OUT/"
+}
+
+keep() {  # keep REPORT: a stage's report in $OUT as soon as it is written (a call stopped by
+    # its own limit still brings back the reports of the stages that finished)
+    [ -f "$1" ] && cp "$1" "$OUT/"
 }
 
 for stage in "$@"; do
@@ -101,16 +107,19 @@ EOF
     prefillgraph)
         timed prefillgraph "${PREFILLGRAPH_LIMIT:-240}" python3 benchmarks/prefill_graph.py \
             --out "$WORK/prefill-graph.json" --runs "${PREFILLGRAPH_RUNS:-3}"
+        keep "$WORK/prefill-graph.json"
         ;;
     selftest)
         timed selftest "${SELFTEST_LIMIT:-300}" pytest-dflash selftest \
             "$WORK/selftest-quick.json" --run --dflash-profile quick --dflash-device cuda \
             -p no:cacheprovider --durations=20
+        keep "$WORK/selftest-quick.json"
         ;;
     main)
         timed main "${MAIN_LIMIT:-420}" python3 -m pytest -m sm70 --dflash-device cuda \
             --dflash-profile full -p no:cacheprovider --durations=40 \
             --dflash-report="$WORK/main-full.json" ${MAIN_ARGS:-}
+        keep "$WORK/main-full.json"
         ;;
     aa)
         timed "${AA_NAME:-aa}" "${AA_LIMIT:-540}" pytest-dflash selftest "$WORK/${AA_NAME:-aa}.json" \
