@@ -84,7 +84,8 @@ def test_readme_starts_with_the_two_commands() -> None:
     lines = _readme_lines()
     assert lines[2] == "```bash" and lines[5] == "```", "lines 3 and 6 must fence the commands"
     assert lines[3].endswith("pip install -e . && pytest -m sm70"), lines[3]
-    assert lines[4].endswith("pip install -e '.[test]' && pytest tests -n auto"), lines[4]
+    assert lines[4].endswith("pip install -e '.[test]' && pytest tests -n auto --dist worksteal"), \
+        lines[4]
     for line in lines[3:5]:
         assert "pip install torch==2.13.0" in line, "the CPU wheel of torch is installed first"
 
