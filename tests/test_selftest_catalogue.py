@@ -408,6 +408,30 @@ def test_ppl_shift_raises_each_segment_perplexity_by_twice_the_tolerance(registr
     assert ppl(shifted) / ppl(base) - 1 == pytest.approx(2 * policy.ppl_rel_tolerance, rel=1e-9)
 
 
+def test_a_planted_engine_offers_a_capturable_prefill_only_where_its_engine_has_one(
+        registry, inner_engine):
+    """The prefill gate captures ``cold_prefill_call`` on CUDA: a planted slowdown's engine
+    hands out the inner call with the spin planted after it, a copy the inner call itself, and
+    over an engine without one (the transformers engine) the wrapper has none either, so the
+    gate times that pair eagerly instead of failing to build it."""
+    from pytest_dflash.engines.reference import ColdPrefillCall
+    from pytest_dflash.selftest.engine import SlowedPrefillCall
+
+    ids = inner_engine.encode("def f(x):\n    return x\n", add_special_tokens=True)
+    assert isinstance(_engine(registry, inner_engine, "copy").cold_prefill_call(ids),
+                      ColdPrefillCall)
+    slow = _engine(registry, inner_engine, "prefill_slow_3pct")
+    slowed = slow.cold_prefill_call(ids)
+    assert isinstance(slowed, SlowedPrefillCall) and slowed.fraction == pytest.approx(0.03)
+    assert isinstance(slowed.inner, ColdPrefillCall) and slowed.chunks == slowed.inner.chunks
+    pytest.importorskip("transformers")
+    from pytest_dflash.engines import transformers as hf
+
+    plain = hf.build(hf.llama_model_dir(), {}, "quick")
+    assert not hasattr(plain, "cold_prefill_call")
+    assert not hasattr(_engine(registry, plain, "prefill_slow_3pct"), "cold_prefill_call")
+
+
 def test_every_fourth_completion_degenerates(registry, inner_engine):
     from pytest_dflash.metrics.quality import check_output_contract
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pytest_dflash.selftest.catalogue import DEGENERATE_EVERY, Planted
-from pytest_dflash.selftest.slowdown import busy_wait, gpu_spin
+from pytest_dflash.selftest.slowdown import busy_wait, gpu_seconds, gpu_spin
 
 if TYPE_CHECKING:
     import pytest
@@ -52,6 +52,12 @@ class EngineSelftest:
             if not callable(getattr(self.inner, "generate_many", None)):
                 raise AttributeError(attr)
             return self._generate_many
+        # likewise the capturable prefill: the prefill gate captures it on CUDA, and an engine
+        # without one (the transformers engine, a server) is timed eagerly
+        if attr == "cold_prefill_call":
+            if not callable(getattr(self.inner, "cold_prefill_call", None)):
+                raise AttributeError(attr)
+            return self._cold_prefill_call
         # chunk, device, cfg, ... : whatever else a gate reads off the engine
         return getattr(self.inner, attr)
 
@@ -70,11 +76,10 @@ class EngineSelftest:
                 busy_wait(fraction * result.seconds)
         return result
 
-    def cold_prefill_call(self, token_ids: list[int]) -> Any:
-        """The inner engine's capturable cold prefill (the prefill gate captures it on CUDA),
-        with the planted slowdown inside it: a spin kernel after the prefill, of the fraction
-        of the prefill's time as a graph replay, so the replays the gate times carry it.
-        AttributeError where the inner engine has none (the gate then times eagerly)."""
+    def _cold_prefill_call(self, token_ids: list[int]) -> Any:
+        """The inner engine's capturable cold prefill, with the planted slowdown inside it: a
+        spin kernel after the prefill, of the fraction of the prefill's time as a graph replay,
+        so the replays the gate times carry it."""
         call = self.inner.cold_prefill_call(token_ids)
         fraction = self.planted.defect.slowdown if self.planted.defect else None
         return SlowedPrefillCall(call, fraction, self.inner.device) if fraction else call
@@ -166,14 +171,12 @@ class SlowedPrefillCall:
 
 
 def _replay_seconds(call: Callable[[], Any], device: Any) -> float:
-    """GPU seconds of ``call`` as a CUDA graph replay (median of three, events around each)."""
-    import statistics
-
+    """GPU seconds of ``call`` as a CUDA graph replay, timed as a planted op slowdown times its
+    call (``slowdown.gpu_seconds``: median of three, events around each)."""
     from pytest_dflash.measure import cuda_graphs
-    from pytest_dflash.measure.timing import cuda_timer
 
     captured = cuda_graphs.capture([call], device, warmup=1)
-    seconds = statistics.median(cuda_timer(captured.replays[0], device) for _ in range(3))
+    seconds = gpu_seconds(captured.replays[0], device)
     del captured
     cuda_graphs.release(device)
     return seconds

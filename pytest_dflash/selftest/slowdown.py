@@ -93,7 +93,8 @@ def gpu_spin(seconds: float, device: Any) -> None:
             torch.cuda._sleep(cycles)
 
 
-def _gpu_seconds(call: Callable[[], Any], device: Any) -> float:
+def gpu_seconds(call: Callable[[], Any], device: Any) -> float:
+    """GPU seconds of ``call`` on ``device``: the median of three runs, events around each."""
     import torch
 
     times = []
@@ -137,7 +138,7 @@ class Slowdown:
             if signature not in self._gpu_time:
                 # calibration runs are untimed by construction: the gate has not started its
                 # timer when a new signature first arrives (its warm-up calls come first)
-                self._gpu_time[signature] = _gpu_seconds(call, device)
+                self._gpu_time[signature] = gpu_seconds(call, device)
             result = call()
             gpu_spin(self.fraction * self._gpu_time[signature], device)
             return result
