@@ -61,12 +61,15 @@ def broken(ctx):
 
 
 def mixed(ctx, *, marker):
-    """The first worker to build says its calls were captured in a graph, the others not."""
+    """The first worker to build says its calls were captured in a graph, the others not (the
+    workers of a look build at once: only one of them can create the marker)."""
     import os
 
-    first = not os.path.exists(marker)
-    open(marker, "a").close()
-    info = {{"graph": "captured: planted"}} if first else {{}}
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        info = {{"graph": "captured: planted"}}
+    except FileExistsError:
+        info = {{}}
     return TimedPair(lambda: spin(0.0005), lambda: spin(0.0005), info=info)
 
 
