@@ -141,19 +141,29 @@ def test_validation_cost_defects_are_caught(pytester: pytest.Pytester) -> None:
     rightly pass it (docs/selftest.md). One regressed width rejects, so the verify widths are
     M = 1..3 (``validation_max_m``): each of 1..8 measured the planted 2% at 1.016 to 1.022,
     and timing all eight cost this test 54 s of its 60. One look of 6 processes
-    (``timing_max_processes = 6``), at the full confidence: a planted slowdown is caught when
-    it fails or stays inconclusive, and the shipped looks only add processes to a gate that has
-    not decided (they took this test from 20 to 51 s by the widths they reached)."""
+    (``timing_max_processes = 6``), at the full confidence; the shipped looks only add
+    processes to a gate that has not decided (they took this test from 20 to 51 s by the widths
+    they reached). The wrong path is caught by the gate's path check, whatever the noise. The
+    planted 2% is the policy's size: the gate must never pass it; it rejects it where this
+    machine's noise lets one look resolve 2%, and where it does not (a CI machine left it
+    inconclusive) the catch table must say that the gate cannot resolve the policy's 2% here."""
     pytester.makepyprojecttoml("[tool.pytest-dflash]\nvalidation_max_m = 3\n"
                                "timing_max_processes = 6\n")
     result, report = _run(pytester, "-m", "sm70", "-k", "verify_path or verify_cost",
                           "--dflash-profile", "ci",
                           "--dflash-gate", "gemm.nvfp4.qpn2_packed:validation_cost")
     vc = report["selftest"]["routes"]["gemm.nvfp4.qpn2_packed"]["validation_cost"]
-    assert {d["key"]: d["status"] for d in vc["defects"]} == {
-        "verify_path": "caught", "verify_cost_2pct": "caught"}
+    status = {d["key"]: d["status"] for d in vc["defects"]}
+    assert status["verify_path"] == "caught" and set(status) == {"verify_path", "verify_cost_2pct"}
+    assert not vc["missed"] and not vc["errors"]  # a planted slowdown is never passed
     assert vc["copy"]["status"] == "pending"  # not run here: reported, never counted as a pass
-    result.stdout.fnmatch_lines(["*validation_cost*pending*2/2*"])
+    if status["verify_cost_2pct"] == "caught":
+        result.stdout.fnmatch_lines(["*validation_cost*pending*2/2*"])
+    else:
+        assert status["verify_cost_2pct"] == "pending" and vc["resolves_policy"] is False
+        result.stdout.fnmatch_lines([
+            "*validation_cost*pending*1/2*cannot resolve the policy's 2% here*",
+            "*PENDING: verify_cost_2pct*"])
 
 
 def test_a_two_round_speed_gate_cannot_resolve_the_policy_gain(pytester: pytest.Pytester) -> None:
