@@ -105,6 +105,7 @@ def check_agreement(dflash_gate, baseline, candidate, length: int) -> tuple[dict
 
 @pytest.mark.gate("prefill", family=ENGINE_FAMILIES, per_size="prefill_lengths")
 def test_speed_cold_prefill(dflash_gate, size):
+    from pytest_dflash.engines.data import prompt_ids
     from pytest_dflash.measure.timing import TimingInconclusive, speed_gate
 
     route, length = dflash_gate.route, size
@@ -118,10 +119,11 @@ def test_speed_cold_prefill(dflash_gate, size):
     assert not disagreements, (
         f"{route.name} @{length}: after the same cold prefill as {route.baseline}: "
         + "; ".join(disagreements))
-    local = ColdPrefillPair(baseline, candidate, route.name, length)
+    ids = prompt_ids(length, baseline.encode)
+    local = ColdPrefillPair(baseline, candidate, route.name, ids)
     job = dflash_gate.engine_job("dflash_suites.support.engine:cold_prefill_pair",
                                  (baseline, candidate), route=route.name,
-                                 baseline=route.baseline, length=length)
+                                 baseline=route.baseline, ids=ids)
     measured: dict = {}
     try:
         speed_gate(local.candidate, local.baseline, policy=dflash_gate.policy,

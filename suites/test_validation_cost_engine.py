@@ -40,7 +40,7 @@ def test_validation_cost_engine_verify(dflash_gate):
     prompt = prompt_ids(dflash_gate.sizes.verify_prompt, enabled.encode)
     for engine in (enabled, disabled):
         engine.prefill(prompt)
-    drafts = verify_drafts(enabled, len(prompt), policy.validation_max_m)
+    drafts = verify_drafts(prompt, policy.validation_max_m)
     route_hits, max_diff = {}, 0.0
     for draft in drafts:
         m = len(draft)
@@ -67,8 +67,7 @@ def test_validation_cost_engine_verify(dflash_gate):
         return
     job = dflash_gate.engine_job("dflash_suites.support.engine:speculative_round_pair",
                                  (enabled, disabled), route=route.name,
-                                 verify_route=dflash_gate.verify_route.name,
-                                 prompt_tokens=len(prompt))
+                                 verify_route=dflash_gate.verify_route.name, prompt=prompt)
     measured: dict = {}
     try:
         speed_gate(speculative_round(enabled, drafts), speculative_round(disabled, drafts),

@@ -79,8 +79,9 @@ def test_the_reference_engine_speculative_round_is_captured_and_replays_its_logi
 
     dev = torch.device("cuda")
     engine = build({"gemm.nvfp4": "gemm.nvfp4.qpn2"}, "quick", dev)
-    engine.prefill(prompt_ids(64, engine.encode))
-    drafts = verify_drafts(engine, 64, 8)
+    prompt = prompt_ids(64, engine.encode)
+    engine.prefill(prompt)
+    drafts = verify_drafts(prompt, 8)
     eager = [t.clone() for t in speculative_round(engine, drafts)()]
     outputs: dict[str, list] = {"candidate": [], "baseline": []}
 
@@ -133,7 +134,7 @@ def test_the_prefill_gate_times_replays_of_each_whole_cold_prefill():
     ids = prompt_ids(512, candidate.encode)
     candidate.reset_prefix_cache()
     eager = candidate.prefill(ids)
-    pair = cold_prefill_pair(ctx, route=route, baseline=base, length=512)
+    pair = cold_prefill_pair(ctx, route=route, baseline=base, ids=ids)
     assert pair.info["graph"].startswith("captured"), pair.info["graph"]
     run_round, info = pair_timers(pair, dev, _policy())
     assert info["graph"].startswith("captured")

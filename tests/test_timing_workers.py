@@ -337,6 +337,7 @@ def test_a_planted_engine_route_is_timed_in_the_workers_as_the_gate_built_it(tmp
     across processes like the route they control. The baseline's code slowed by 10% must time
     about 1.1x the baseline and book its prefills under the planted name; a worker that built
     the planted selection bare would time about 1.0x or fail to build it."""
+    from pytest_dflash.engines.data import prompt_ids
     from pytest_dflash.routes import shipped
     from pytest_dflash.selftest import engine as selftest_engine
 
@@ -349,7 +350,7 @@ def test_a_planted_engine_route_is_timed_in_the_workers_as_the_gate_built_it(tmp
         planted = "prefill.geometry.fp16_q7920~prefill_slow_10pct"
         job = TimingJob("dflash_suites.support.engine:cold_prefill_pair",
                         {"route": planted, "baseline": "prefill.geometry.fp32_q3296",
-                         "length": 256})
+                         "ids": prompt_ids(256)})
         [sample] = pool.sample(job, 1, rounds=4, warmup=1, seed=9, label="planted engine")
     finally:
         pool.close()

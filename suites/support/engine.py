@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pytest_dflash.engines.data import prompt_ids
-
 # The families the engines apply (the reference engine runs attention, the MLP projections and
 # the prefill geometry through the selected routes; the transformers engine also the kernel
 # libraries' gated DeltaNet and norm routes): the model-level gates (ppl, quality, prefill)
@@ -125,8 +123,8 @@ class ColdPrefillPair:
     """Candidate and baseline cold prefills of one prompt, both prefix caches reset before
     every timed run, and the candidate's route hits over the runs."""
 
-    def __init__(self, baseline: Any, candidate: Any, route: str, length: int) -> None:
-        ids = prompt_ids(length, baseline.encode)
+    def __init__(self, baseline: Any, candidate: Any, route: str, ids: Sequence[int]) -> None:
+        ids = list(ids)
         self.route = route
         self.candidate, self.baseline = PrefillRuns(candidate, ids), PrefillRuns(baseline, ids)
         self._hits_before = candidate.route_hits().get(route, 0)
@@ -190,22 +188,23 @@ def check_prefill_runs(merged: dict[str, Any], label: str) -> tuple[str, int]:
     return next(iter(merged["hashes"])), next(iter(merged["first_tokens"]))
 
 
-def cold_prefill_pair(ctx: Any, *, route: str, baseline: str, length: int) -> Any:
-    """Timing-worker builder of the prefill gate: cold prefills of ``length``
-    prompt tokens on the candidate's and the baseline's engines, one call a sample: graph
-    replays on CUDA where the engine's prefill can be captured, else eager."""
+def cold_prefill_pair(ctx: Any, *, route: str, baseline: str, ids: list[int]) -> Any:
+    """Timing-worker builder of the prefill gate: cold prefills of the prompt ``ids`` on the
+    candidate's and the baseline's engines, one call a sample: graph replays on CUDA where the
+    engine's prefill can be captured, else eager. The ids come from the gate's process, so
+    every worker times the very tokens the gate checked, and no worker reads the data files
+    (their reader's imports cost a fresh worker most of a second of CPU)."""
     from pytest_dflash.measure.timing_pool import TimedPair
 
-    pair = ColdPrefillPair(ctx.engine(baseline), ctx.engine(route), route, length)
+    pair = ColdPrefillPair(ctx.engine(baseline), ctx.engine(route), route, ids)
     info = pair.capture(ctx.device) if ctx.device.type == "cuda" else {}
     return TimedPair(pair.candidate, pair.baseline, before_each=pair.before_each,
                      facts=pair.facts, info=info)
 
 
-def verify_drafts(engine: Any, prompt_tokens: int, widths: int) -> list[list[int]]:
-    """The drafts of one speculative round after the profile's prompt: M = 1..widths rows."""
-    prompt = prompt_ids(prompt_tokens, engine.encode)
-    return [prompt[1 : 1 + m] for m in range(1, widths + 1)]
+def verify_drafts(prompt: Sequence[int], widths: int) -> list[list[int]]:
+    """The drafts of one speculative round after ``prompt``: M = 1..widths rows."""
+    return [list(prompt[1 : 1 + m]) for m in range(1, widths + 1)]
 
 
 def speculative_round(engine: Any, drafts: list[list[int]]) -> Callable[[], Any]:
@@ -214,7 +213,7 @@ def speculative_round(engine: Any, drafts: list[list[int]]) -> Callable[[], Any]
 
 
 def speculative_round_pair(ctx: Any, *, route: str, verify_route: str,
-                           prompt_tokens: int) -> Any:
+                           prompt: list[int]) -> Any:
     """Timing-worker builder of the engine-level validation_cost gate: one speculative round
     (verify M = 1..validation_max_m after a prefill of the prompt) with the candidate on and
     off, captured as a CUDA graph where the engine allows it (a deployment replays its verify
@@ -222,9 +221,8 @@ def speculative_round_pair(ctx: Any, *, route: str, verify_route: str,
     from pytest_dflash.measure.timing_pool import TimedPair
 
     enabled, disabled = ctx.engine(route), ctx.engine(verify_route)
-    prompt = prompt_ids(prompt_tokens, enabled.encode)
     for engine in (enabled, disabled):
         engine.prefill(prompt)
-    drafts = verify_drafts(enabled, prompt_tokens, ctx.policy.validation_max_m)
+    drafts = verify_drafts(prompt, ctx.policy.validation_max_m)
     return TimedPair(speculative_round(enabled, drafts), speculative_round(disabled, drafts),
                      graph=True)
