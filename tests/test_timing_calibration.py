@@ -100,3 +100,23 @@ def test_an_interrupted_repeat_counts_the_runs_that_finished(tmp_path, monkeypat
     assert section["reports"] == [str(tmp_path / "r.run0.json")]
     assert "counting the 1 finished runs" in capsys.readouterr().out
     assert (tmp_path / "r.repeat.json").is_file()
+
+
+def test_a_repeat_that_selects_no_test_is_a_clear_error_without_a_traceback(tmp_path):
+    """A real CLI run whose -k matches no gate test of the route (gemm.nvfp4.qpn2_packed does
+    not require the GEMM speed gate): pytest exits 5 in the first run, and the command says so
+    and how to fix it, exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    report = tmp_path / "r.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest_dflash.cli", "selftest", str(report), "--repeat", "2",
+         "--run", "--dflash-route", "gemm.nvfp4.qpn2_packed", "--dflash-profile", "quick",
+         "-k", "gemm_speed_large_m"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "self-test run 1 of 2 ended with pytest exit 5: it selected no test" in done.stderr
+    assert "select a timing gate the route requires" in done.stderr
+    assert not (tmp_path / "r.run1.json").exists()  # the second run never started

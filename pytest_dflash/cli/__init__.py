@@ -120,7 +120,11 @@ def _selftest(args: argparse.Namespace) -> int:
     if args.repeat is not None:
         from pytest_dflash.selftest import repeat
 
-        section = repeat.run(args.repeat, Path(args.report), args.pytest_args or [])
+        try:
+            section = repeat.run(args.repeat, Path(args.report), args.pytest_args or [])
+        except repeat.RepeatError as exc:
+            print(f"pytest-dflash selftest: {exc}", file=sys.stderr)
+            return 2
         bad = [(route, kind) for route, kinds in section["routes"].items()
                for kind, keys in kinds.items() if keys.get("copy", {}).get("fail")]
         return 1 if bad else 0

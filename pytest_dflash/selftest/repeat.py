@@ -23,6 +23,22 @@ from pytest_dflash.selftest import child
 OUTCOMES = ("pass", "inconclusive", "fail", "error", "pending")
 
 
+class RepeatError(RuntimeError):
+    """A run of the repeat that pytest ended without results: what happened and the fix."""
+
+
+# pytest's exit codes a run can end with besides 0, 1 (a gate failed) and 2 (interrupted)
+_WHY = {
+    3: "pytest hit an internal error (its traceback is printed above); fix what it names and "
+       "repeat",
+    4: "pytest refused the command line (the usage error is printed above); fix the arguments "
+       "after --run",
+    5: "it selected no test: -k, -m and --dflash-route leave no timing gate test of a route "
+       "that requires that gate (the verdict table shows '-' for a gate a route does not "
+       "require); select a timing gate the route requires, or another route",
+}
+
+
 def gate_result(gate: Mapping[str, Any] | None) -> str:
     """One gate of one run as pass / inconclusive / fail / error / pending."""
     if gate is None:
@@ -113,13 +129,12 @@ def run(repeat: int, report: Path, pytest_args: Sequence[str]) -> dict[str, Any]
                   "finished runs", flush=True)
             break
         if code > 1 or not path.exists():
-            raise RuntimeError(
-                f"self-test run {i + 1} of {repeat} crashed or was misused "
-                f"(pytest exit {code}); its report: {path}"
-            )
+            why = _WHY.get(code, "pytest ended without writing its report")
+            raise RepeatError(f"self-test run {i + 1} of {repeat} ended with pytest exit "
+                              f"{code}: {why}; its report: {path}")
         done.append(path)
     if not done:
-        raise RuntimeError(f"no self-test run of {repeat} finished: nothing to count")
+        raise RepeatError(f"no self-test run of {repeat} finished: nothing to count")
     loaded = [reports.load(path) for path in done]
     section = tally(loaded)
     section["reports"] = [str(p) for p in done]
