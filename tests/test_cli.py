@@ -319,7 +319,11 @@ def test_build_failure_is_a_message_with_the_log_path(tmp_path: Path) -> None:
 
 
 def test_console_script_is_installed() -> None:
-    done = subprocess.run(["pytest-dflash", "--help"], capture_output=True, text=True)
+    """The script pip put next to this interpreter (a venv's bin/, found whether or not the
+    venv is activated)."""
+    script = Path(sys.executable).parent / "pytest-dflash"
+    assert script.is_file(), f"{script} is missing: install the package (pip install -e .)"
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True)
     assert done.returncode == 0
     for verb in ("verdict", "diff", "enable", "build"):
         assert verb in done.stdout
