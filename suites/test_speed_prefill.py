@@ -39,22 +39,22 @@ def kl_rows(cand, base):
     return (cand.exp() * (cand - base)).sum(-1)
 
 
-def check_agreement(dflash_gate, baseline, candidate, length: int) -> tuple[dict, list[str]]:
-    """One cold prefill of the prompt per route (``prefill_logits``), then one verify step of
-    the ``policy.agreement_rows`` held-out tokens that follow it; the measurements for the
-    report and the failures: a different greedy next token, or KL(candidate || baseline) over
-    the bound at a position after a seam, the last position or a verify row."""
+def check_agreement(dflash_gate, baseline, candidate, text: list[int],
+                    length: int) -> tuple[dict, list[str]]:
+    """One cold prefill of the prompt (the first ``length`` of ``text``) per route
+    (``prefill_logits``), then one verify step of the ``policy.agreement_rows`` held-out tokens
+    that follow it in ``text``; the measurements for the report and the failures: a different
+    greedy next token, or KL(candidate || baseline) over the bound at a position after a seam,
+    the last position or a verify row."""
     import time
 
     import torch
 
-    from pytest_dflash.engines.data import prompt_ids
     from pytest_dflash.metrics.seam_bands import agreement_positions, declared_chunk, seams
 
     start_s = time.perf_counter()
     policy, rows = dflash_gate.policy, dflash_gate.policy.agreement_rows
-    text = prompt_ids(length + rows, baseline.encode)
-    ids, cont = text[:length], text[length:]
+    ids, cont = text[:length], text[length:length + rows]
     chunks = {  # a chunk nobody declares (a server route) has no seams to look behind
         name: declared_chunk(engine, route, dflash_gate.profile) or length
         for name, engine, route in (("candidate", candidate, dflash_gate.route),
@@ -111,15 +111,17 @@ def test_speed_cold_prefill(dflash_gate, size):
     route, length = dflash_gate.route, size
     baseline, candidate = dflash_gate.require("prefill_timing", "first_token_hash", "route_hits",
                                               "position_logits", "verify_logits")
-    # agreement first: a route that computes something else is not worth timing
-    agreement, disagreements = check_agreement(dflash_gate, baseline, candidate, length)
+    # agreement first: a route that computes something else is not worth timing; the timed
+    # prompt is the very one it checked (the workers get its ids, they never read the data)
+    text = prompt_ids(length + dflash_gate.policy.agreement_rows, baseline.encode)
+    agreement, disagreements = check_agreement(dflash_gate, baseline, candidate, text, length)
     dflash_gate.record_engines(baseline, candidate)
     dflash_gate.record(prompt_tokens=length, agreement=agreement,
                        figure=f"@{length} {agreement['figure']}")
     assert not disagreements, (
         f"{route.name} @{length}: after the same cold prefill as {route.baseline}: "
         + "; ".join(disagreements))
-    ids = prompt_ids(length, baseline.encode)
+    ids = text[:length]
     local = ColdPrefillPair(baseline, candidate, route.name, ids)
     job = dflash_gate.engine_job("dflash_suites.support.engine:cold_prefill_pair",
                                  (baseline, candidate), route=route.name,
