@@ -47,6 +47,8 @@ class Settings:
     strict: bool = False
     selftest: bool = False
     selftest_calibrate: bool = False  # only the timing gates' copy and 1/2/5/10% slowdowns
+    # run a gate's remaining tests after one has failed it (session.settled skips them)
+    every_test: bool = False
     allow_unjailed: bool = False
     save: str | None = None  # "" means: save under the next number, no name
     compare: str | None = None
@@ -102,6 +104,9 @@ def add_options(parser: pytest.Parser) -> None:
                     help="balance --dflash-shard by the test durations of this report file or "
                          "kept run (number or save name; default: the newest kept run, else "
                          "by count). Give every shard the same REF")
+    group.addoption("--dflash-every-test", action="store_true", default=None,
+                    help="run every test of a gate even after one has failed it (by default "
+                         "they are skipped: they cannot change the verdict)")
     group.addoption("--dflash-strict", action="store_true", default=None,
                     help="fail the run if a selected candidate is left pending, or a gate's "
                          "self-test missed a planted defect (CI gate jobs)")
@@ -146,6 +151,8 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("dflash_report", "default for --dflash-report", default=DEFAULT_REPORT)
     parser.addini("dflash_report_rounds", "default for --dflash-report-rounds", default="")
     parser.addini("dflash_strict", "default for --dflash-strict", type="bool", default=False)
+    parser.addini("dflash_every_test", "default for --dflash-every-test", type="bool",
+                  default=False)
     parser.addini("dflash_merge", "default for --dflash-merge", type="bool", default=False)
     parser.addini("dflash_selftest", "default for --dflash-selftest", type="bool", default=False)
     parser.addini("dflash_engine", "default for --dflash-engine", default="")
@@ -239,6 +246,9 @@ def resolve(config: pytest.Config) -> Settings:
         shard=shard, shard_costs=config.getoption("dflash_shard_costs", None) or None,
         strict=bool(pick("strict")), selftest=bool(pick("selftest")),
         selftest_calibrate=bool(config.getoption("dflash_selftest_calibrate", False)),
+        # the calibration measures what every size resolves: it runs every test
+        every_test=bool(pick("every_test"))
+        or bool(config.getoption("dflash_selftest_calibrate", False)),
         allow_unjailed=bool(config.getoption("dflash_allow_unjailed", False))
         or os.environ.get(ALLOW_UNJAILED_ENV) == "1",
         save=config.getoption("dflash_save", None),

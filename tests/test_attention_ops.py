@@ -297,7 +297,8 @@ def test_parity_gate_rejects_a_top_left_causal_mask(broken_project):
     with SDPA's top-left ``is_causal`` passes Tq == Tk cases and must still be rejected."""
     result = broken_project.runpytest_subprocess(
         "--pyargs", "dflash_suites.test_parity_attn", "--dflash-route", "attn.d256.topleft",
-        "--dflash-profile", "quick", "-k", "edges or paged", "-p", "no:cacheprovider")
+        "--dflash-profile", "quick", "-k", "edges or paged", "-p", "no:cacheprovider",
+        "--dflash-every-test")  # every parity test must reject it, not only the first
     result.assert_outcomes(failed=6)
     result.stdout.fnmatch_lines(["*parity cases failed*", "*dense Tq=63 Tk=130*"])
     gate = _gate(broken_project.path / "dflash-report.json", "attn.d256.topleft", "parity")
@@ -310,7 +311,8 @@ def test_parity_and_speed_gates_reject_a_silent_fallback(broken_project):
     result = broken_project.runpytest_subprocess(
         "--pyargs", "dflash_suites.test_parity_attn", "dflash_suites.test_speed_attn",
         "--dflash-route", "attn.d256.fallback", "--dflash-profile", "quick",
-        "-k", "edges or speed", "-p", "no:cacheprovider")
+        "-k", "edges or speed", "-p", "no:cacheprovider",
+        "--dflash-every-test")  # every test must reject it, not only the gate's first
     result.assert_outcomes(failed=3)
     result.stdout.fnmatch_lines(["*attn.d256.fallback.dense must record exactly one hit*",
                                  "*route hits*do not match the timed calls*"])

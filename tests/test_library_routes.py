@@ -438,7 +438,8 @@ def test_gdn_parity_suite_accepts_a_correct_route_and_rejects_a_lost_state(
     result = pytester.runpytest_subprocess(
         "-p", "gdn_routes", "--pyargs", "dflash_suites.test_parity_gdn", "-m", "parity",
         "--dflash-route", "linear.gdn.naive", "--dflash-route", "linear.gdn.stateless",
-        "--dflash-profile", "quick", "--dflash-report", str(report), "-p", "no:cacheprovider")
+        "--dflash-profile", "quick", "--dflash-report", str(report), "-p", "no:cacheprovider",
+        "--dflash-every-test")  # which parity tests see the lost state, one by one
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
     routes = json.loads(report.read_text())["routes"]
     assert routes["linear.gdn.naive"]["verdict"] == "accept"

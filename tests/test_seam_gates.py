@@ -183,6 +183,7 @@ def test_seam_defects_are_caught_and_a_correct_route_passes(pytester: pytest.Pyt
         "-p", "seam_routes", "--pyargs", "dflash_suites", *selected, "-m", "ppl or prefill",
         "-k", " or ".join(NODE.values()), "--dflash-profile", "quick",
         "--dflash-report", str(report), "-p", "no:cacheprovider",
+        "--dflash-every-test",  # each seam test must judge, not only the gate's first
     )  # fmt: skip
     assert report.is_file(), result.stdout.str()[-3000:]
     routes = json.loads(report.read_text())["routes"]

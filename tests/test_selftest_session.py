@@ -118,6 +118,7 @@ def test_a_gemm_defect_only_the_model_sees_is_caught_by_the_model_level_gates(
     both ppl defects, and the prefill gate's cross-route agreement check catches the slip
     before any timing (the timed defects, -k'd out here, are the speed gates' business)."""
     result, report = _run(pytester, "-m", "sm70", "-k", "scale_slip or ppl_shift",
+                          "--dflash-every-test",  # each prefill size must catch the slip
                           "--dflash-gate", "gemm.nvfp4.qpn2_packed:ppl",
                           "--dflash-gate", "gemm.nvfp4.qpn2_packed:prefill")
     section = report["selftest"]["routes"]["gemm.nvfp4.qpn2_packed"]

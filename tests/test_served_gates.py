@@ -116,7 +116,8 @@ def test_a_degraded_route_served_over_http_is_rejected_by_the_ppl_gate(
     result = pytester.runpytest(
         "-p", "degraded_routes", *COMMON, "-m", "ppl",
         "--dflash-route", "prefill.geometry.int8_state", "--dflash-report", str(report),
-        "--dflash-serve", f"{SERVE} --plugin degraded_routes")
+        "--dflash-serve", f"{SERVE} --plugin degraded_routes",
+        "--dflash-every-test")  # both ppl tests must reject it, not only the first
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["prefill.geometry.int8_state*FAIL*REJECT*"])
     tests = gate_tests(json.loads(report.read_text()), "prefill.geometry.int8_state", "ppl")
@@ -185,7 +186,8 @@ def test_a_server_route_without_a_geometry_object_is_decided_by_figures(
         "-p", "client_side", *COMMON, *small_project(pytester), "-m", "ppl",
         "--dflash-route", "prefill.geometry.srv_fp16",
         "--dflash-route", "prefill.geometry.srv_int8", "--dflash-report", str(report_path),
-        "--dflash-serve", f"{SERVE} --plugin server_side")
+        "--dflash-serve", f"{SERVE} --plugin server_side",
+        "--dflash-every-test")  # both ppl tests score each route
     report = json.loads(report_path.read_text())
     for route in ("prefill.geometry.srv_fp16", "prefill.geometry.srv_int8"):
         tests = gate_tests(report, route, "ppl")

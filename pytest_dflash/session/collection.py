@@ -25,7 +25,7 @@ from pytest_dflash.routes.vocabulary import (
     check_kind,
 )
 from pytest_dflash.session import saved_runs as reporting
-from pytest_dflash.session import shard
+from pytest_dflash.session import settled, shard
 from pytest_dflash.session.environment import device_info, profile_of
 from pytest_dflash.session.state import bind, binding, state_of
 from pytest_dflash.xdist import plugin as xdist_gpus
@@ -123,9 +123,11 @@ def serves_dtype(route: Route, dtype: Any) -> bool:
 
 
 def check_setup(item: pytest.Item) -> None:
-    """Skip, with the reason, what must not run here: timing gates in an xdist worker that does
-    not own a GPU (they never share the device; docs/multi-gpu.md) and ``requires_sm70`` tests
-    off SM70 hardware. A gate test that runs records the GPU that measures it."""
+    """Skip, with the reason, what must not run here: a test of a gate that has already failed
+    for its route (``settled``), timing gates in an xdist worker that does not own a GPU (they
+    never share the device; docs/multi-gpu.md) and ``requires_sm70`` tests off SM70 hardware.
+    A gate test that runs records the GPU that measures it."""
+    settled.check(item)
     bound = binding(item)
     if bound and bound["kind"] in EXCLUSIVE_KINDS:
         refusal = xdist_gpus.timing_refusal(item.config, device_info)

@@ -27,7 +27,7 @@ from pytest_dflash.evidence.verdict import (
 from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes import origin
 from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS
-from pytest_dflash.session import saved_runs
+from pytest_dflash.session import saved_runs, settled
 from pytest_dflash.session.environment import (
     device_info,
     fingerprint_of,
@@ -112,6 +112,8 @@ class EvidenceCollector:
                 test["message"] = _first_line(report)
         elif report.when == "call" and test["outcome"] == INTERRUPTED:
             test["outcome"], test["message"] = PASSED, ""
+        if test["outcome"] == FAILED:  # the gate is decided: its later tests are skipped
+            settled.record_failure(self.config, test["route"], test["kind"], report.nodeid)
         junit.flatten(report, PROPERTY, {**bound, "measurements": test["measurements"]})
 
     @pytest.hookimpl(tryfirst=True)
