@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         *[x for name in routes for x in ("--dflash-route", name)],
         "-p",
         "no:cacheprovider",
+        "--dflash-every-test",  # the figures of every test, also after a gate has failed
         f"--dflash-report={report}",
     ]
     start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -71,6 +71,7 @@ def run(engine: str, profile: str, hf_model: str | None, tmp: Path, index: int) 
     path = tmp / f"{engine}-{index}.json"
     cmd = [sys.executable, "-m", "pytest", "--pyargs", "dflash_suites", "-m", "ppl",
            "--dflash-profile", profile, "-p", "no:cacheprovider", "-q", *extra,
+           "--dflash-every-test",  # every segment's figures, also after a gate has failed
            f"--dflash-report={path}"]
     for route in routes:
         cmd += ["--dflash-route", route]

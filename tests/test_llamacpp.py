@@ -308,6 +308,7 @@ def test_llama_cpp_routes_are_gated_through_dflash_serve(pytester, gguf_path):
         "120",
         "--dflash-report",
         str(report),
+        "--dflash-every-test",  # both ppl tests keep their figures (llamacpp_gates.py reads them)
     )
     written = json.loads(report.read_text())
     entry = written["routes"][lc.UBATCH]
