@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from toyproject import toy_project
 
 CONFTEST = """
 from typing import Protocol, runtime_checkable
@@ -108,10 +109,7 @@ def broken_fixture():
 
 @pytest.fixture
 def toy(pytester: pytest.Pytester) -> pytest.Pytester:
-    pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_gates=GATES)
-    pytester.syspathinsert()
-    return pytester
+    return toy_project(pytester, CONFTEST, test_gates=GATES)
 
 
 def run(pytester: pytest.Pytester, *routes: str, extra: tuple[str, ...] = (),

@@ -14,6 +14,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from toyproject import toy_project
 
 from pytest_dflash.xdist import gpus
 
@@ -233,9 +234,7 @@ def test_speed(dflash_route, dflash_record, size):
 @pytest.fixture
 def toy(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     pytest.importorskip("xdist")
-    pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(toyimpl=TOYIMPL, test_gates=GATES)
-    pytester.syspathinsert()
+    toy_project(pytester, CONFTEST, toyimpl=TOYIMPL, test_gates=GATES)
     monkeypatch.setenv("TOY_LOG", str(pytester.path / "toy.log"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     # the caller sets no thread count (under xdist tests/conftest.py shares the cores out)

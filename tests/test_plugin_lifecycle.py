@@ -10,6 +10,7 @@ import json
 import subprocess
 
 import pytest
+from toyproject import toy_project
 
 CONFTEST = """
 from pytest_dflash import Family, Route
@@ -59,10 +60,8 @@ ROUTE = ["--dflash-route", "toy.add.fast", "-p", "no:cacheprovider"]
 
 @pytest.fixture
 def toy(pytester: pytest.Pytester) -> pytest.Pytester:
-    pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(toyimpl=TOYIMPL.format(tweak=""), test_gates=GATES, test_other=UNRELATED)
-    pytester.syspathinsert()
-    return pytester
+    return toy_project(pytester, CONFTEST, toyimpl=TOYIMPL.format(tweak=""), test_gates=GATES,
+                       test_other=UNRELATED)
 
 
 def _report(pytester: pytest.Pytester) -> dict:

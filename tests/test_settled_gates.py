@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+from toyproject import toy_project
 
 CONFTEST = """
 from typing import Protocol, runtime_checkable
@@ -75,10 +76,7 @@ def test_other_gate(dflash_gate):
 
 @pytest.fixture
 def toy(pytester: pytest.Pytester) -> pytest.Pytester:
-    pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_gates=GATES)
-    pytester.syspathinsert()
-    return pytester
+    return toy_project(pytester, CONFTEST, test_gates=GATES)
 
 
 def run(pytester: pytest.Pytester, *extra: str) -> tuple[pytest.RunResult, dict]:
