@@ -6,7 +6,8 @@ Through the real plugin (pytester), a toy family whose gate has three sizes:
 - one wrong only at the second size runs the first two and skips the third;
 - a correct candidate runs every size, and other gates of a failed route still run;
 - a harness error (the suite raised) is not a failure and settles nothing;
-- ``--dflash-every-test`` (and ini ``dflash_every_test``) runs every test, with the same verdicts;
+- ``--dflash-every-test`` (and ini ``dflash_every_test``) runs every test, with the same verdicts,
+  and the self-test's calibration always does;
 - a report that a settled run wrote is read back by `pytest-dflash verdict` as a rejection.
 """
 
@@ -142,3 +143,12 @@ def test_a_harness_error_settles_nothing(toy: pytest.Pytester,
     assert outcomes(report, "toy.add.good") == ["error", "passed", "passed"]
     assert outcomes(report, "toy.add.wrong_second") == ["error", "failed", "skipped"]
     assert outcomes(report, "toy.add.wrong_first") == ["error", "failed", "skipped"]
+
+
+def test_the_selftest_calibration_runs_every_test(pytester: pytest.Pytester) -> None:
+    """What the calibration measures is which slowdown each size resolves: no test is settled."""
+    from pytest_dflash import settings
+
+    assert not settings.of(pytester.parseconfigure()).every_test
+    config = pytester.parseconfigure("--dflash-selftest", "--dflash-selftest-calibrate")
+    assert settings.of(config).every_test
