@@ -234,6 +234,7 @@ def resolve(config: pytest.Config) -> Settings:
         report_rounds = compact.parse_keep(pick("report_rounds"))
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
+    calibrate = bool(config.getoption("dflash_selftest_calibrate", False))
     return Settings(
         device=device, profile=profile,
         routes=tuple(config.getoption("dflash_route", None) or ()),
@@ -245,10 +246,9 @@ def resolve(config: pytest.Config) -> Settings:
         merge=bool(pick("merge")),
         shard=shard, shard_costs=config.getoption("dflash_shard_costs", None) or None,
         strict=bool(pick("strict")), selftest=bool(pick("selftest")),
-        selftest_calibrate=bool(config.getoption("dflash_selftest_calibrate", False)),
+        selftest_calibrate=calibrate,
         # the calibration measures what every size resolves: it runs every test
-        every_test=bool(pick("every_test"))
-        or bool(config.getoption("dflash_selftest_calibrate", False)),
+        every_test=bool(pick("every_test")) or calibrate,
         allow_unjailed=bool(config.getoption("dflash_allow_unjailed", False))
         or os.environ.get(ALLOW_UNJAILED_ENV) == "1",
         save=config.getoption("dflash_save", None),
