@@ -5,6 +5,7 @@ crash and a hang reported as errors naming the gate and the worker's log, never 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -379,10 +380,12 @@ def test_a_planted_engine_route_is_timed_in_the_workers_as_the_gate_built_it(tmp
         job = TimingJob("dflash_suites.support.engine:cold_prefill_pair",
                         {"route": planted, "baseline": "prefill.geometry.fp32_q3296",
                          "ids": prompt_ids(256)})
-        [sample] = pool.sample(job, 1, rounds=4, warmup=1, seed=9, label="planted engine")
+        # 8 rounds, and their median: in a fresh-clone suite run two of 4 rounds were disturbed
+        # (1.43 and 1.45 beside 1.10 and 1.19), and the upper-middle of 4 took one of them
+        [sample] = pool.sample(job, 1, rounds=8, warmup=1, seed=9, label="planted engine")
     finally:
         pool.close()
-    assert 1.05 < sorted(sample.ratios)[len(sample.ratios) // 2] < 1.3, sample.ratios
+    assert 1.05 < statistics.median(sample.ratios) < 1.3, sample.ratios
     assert sample.info["facts"]["candidate_route_hits"] > 0
 
     class Inner:
