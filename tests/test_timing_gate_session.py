@@ -16,6 +16,8 @@ def pytest_dflash_routes(registry):
     registry.register(Route("toy.spin.base", "toy.spin", "baseline", impl="toyjobs:BASE"))
     registry.register(Route("toy.spin.slow", "toy.spin", "candidate", baseline="toy.spin.base",
                             gates=("speed",), impl="toyjobs:SLOW"))
+    registry.register(Route("toy.spin.same", "toy.spin", "candidate", baseline="toy.spin.base",
+                            gates=("speed",), impl="toyjobs:SAME"))
 """
 
 TOYJOBS = """
@@ -38,6 +40,7 @@ class Spin:
 
 BASE = Spin("toy.spin.base", 0.0004)
 SLOW = Spin("toy.spin.slow", 0.0008)
+SAME = Spin("toy.spin.same", 0.0004)
 
 
 def pair(ctx, *, route):
@@ -155,3 +158,25 @@ def test_inconclusive_leaves_the_route_pending_and_strict_fails(toy: pytest.Pyte
     strict = toy.runpytest("-m", "sm70", "--dflash-strict", *ROUTE)
     assert strict.ret == pytest.ExitCode.TESTS_FAILED
     strict.stdout.fnmatch_lines(["*strict mode: selected candidates left pending: toy.spin.slow*"])
+
+
+def test_the_quick_profile_times_one_look(toy: pytest.Pytester) -> None:
+    """``quick`` is a smoke run (``ProfileSizes.timing_looks``): its timing gates take one look
+    of the policy's processes, where ``ci`` goes on looking at a gate that has not decided
+    (identical code against the 1% gain: two processes never decide it, and with the futility
+    stop off the ci run looks again). The cap is in the report's policy and the workers'."""
+    toy.makepyfile(test_gates=GATES)
+    toy.makefile(".toml", pyproject="[tool.pytest-dflash]\ntiming_processes = 2\n"
+                 "timing_max_processes = 6\ntiming_min_rounds_per_process = 8\n"
+                 "timing_process_s = 0.0\ntiming_futility = 0\n")
+    same = ["--dflash-route", "toy.spin.same", "--dflash-device", "cpu", "-p", "no:cacheprovider"]
+    looks = {}
+    for profile in ("quick", "ci"):
+        toy.runpytest_subprocess("-m", "sm70", "--dflash-profile", profile, *same)
+        report = _report(toy)
+        assert report["profile"] == profile
+        test = report["routes"]["toy.spin.same"]["gates"]["speed"]["tests"][0]
+        looks[profile] = test["measurements"]["looks"]
+        assert report["policy"]["timing_max_processes"] == (2 if profile == "quick" else 6)
+    assert looks["quick"] == [2], looks
+    assert looks["ci"][0] == 2 and len(looks["ci"]) > 1 and looks["ci"][-1] <= 6, looks

@@ -217,6 +217,7 @@ class Prepared:
     candidate: str | None
     candidate_code: CandidateCode
     build_s: float
+    reserved_before: int | None = None  # device bytes held before the build (cuda_graphs)
 
 
 def _job_key(message: dict[str, Any]) -> str:
@@ -225,9 +226,11 @@ def _job_key(message: dict[str, Any]) -> str:
 
 def build_job(ctx: WorkerContext, message: dict[str, Any]) -> Prepared:
     """The job's pair from its builder (engines, inputs, a capture), and the seconds it took."""
+    from pytest_dflash.measure import cuda_graphs
     from pytest_dflash.routes.registry import resolve
 
     start = time.perf_counter()
+    reserved_before = cuda_graphs.reserved(ctx.device)
     ctx.candidate = message.get("kwargs", {}).get("route")
     ctx.candidate_code = CandidateCode()
     builder = resolve(message["builder"])
@@ -237,7 +240,7 @@ def build_job(ctx: WorkerContext, message: dict[str, Any]) -> Prepared:
             f"builder {message['builder']} returned {type(pair).__name__}, expected a TimedPair"
         )
     return Prepared(_job_key(message), pair, ctx.candidate, ctx.candidate_code,
-                    time.perf_counter() - start)
+                    time.perf_counter() - start, reserved_before)
 
 
 def prepare_job(ctx: WorkerContext, message: dict[str, Any]) -> dict[str, Any]:
@@ -316,9 +319,12 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
                 last = time.monotonic()
         if pair.facts is not None:  # inside the count: it may book the last run's hits
             info["facts"] = pair.facts()
-    # the pair's engines stay cached, its buffers and graphs go: the next worker builds now
+    # the pair's engines stay cached, its buffers and graphs go before the answer (the next
+    # worker is timed meanwhile); the full collection only where emptying the cache did not
+    # get back to what the process held before the build
+    down_to = prepared.reserved_before
     del pair, prepared, run_round
-    cuda_graphs.release(ctx.device)
+    cuda_graphs.release(ctx.device, down_to=down_to)
     return {
         "candidate_s": cand,
         "baseline_s": base,

@@ -15,9 +15,11 @@ profile it ran with.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.vocabulary import check_profile
 
 
@@ -41,6 +43,11 @@ class ProfileSizes:
     attn_long_t: tuple[int, ...]  # parity: causal prefill lengths (error must not grow with T)
     attn_paged: tuple[int, int]  # parity: (Tq, kv_len) of the paged cases
     attn_speed_t: tuple[int, ...]  # speed: causal prefill lengths timed
+    # every timing gate: the most looks of ``policy.timing_processes`` worker processes (None:
+    # as many as ``policy.timing_max_processes`` allows). A size, not a threshold: fewer
+    # processes widen an interval, so a gate that cannot decide in them ends pending, never
+    # passes on less evidence (docs/profiles.md)
+    timing_looks: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,7 +58,11 @@ SIZES: dict[str, ProfileSizes] = {
         ppl_segments=2, ppl_bytes=128, ppl_long_contexts=1, ppl_long_tokens=2048,
         quality_tasks=4, prefill_lengths=(256, 512),
         verify_prompt=64, geometry_divisor=16, gemm_divisor=32, benchmark_rounds=3,
-        attn_long_t=(512,), attn_paged=(97, 203), attn_speed_t=(512,)),
+        attn_long_t=(512,), attn_paged=(97, 203), attn_speed_t=(512,),
+        # a smoke run: its tiny shapes cannot resolve a 1% margin on a GPU, and further looks
+        # there only added processes to gates that ended pending anyway (more than half of the
+        # self-test's validation_cost seconds, benchmarks/results/h100-selftest-quick.json)
+        timing_looks=1),
     "ci": ProfileSizes(
         ppl_segments=8, ppl_bytes=512, ppl_long_contexts=1, ppl_long_tokens=4096,
         # one prefill length: the prefill gate serves all three families here, and four cold
@@ -74,6 +85,16 @@ SIZES: dict[str, ProfileSizes] = {
 def sizes(profile: str) -> ProfileSizes:
     """The sizes of ``profile``; an unknown name raises UnknownNameError listing the profiles."""
     return SIZES[check_profile(profile)]
+
+
+def with_profile_timing(policy: Policy, profile: str) -> Policy:
+    """``policy`` with the timing size of ``profile`` (``ProfileSizes.timing_looks``): the
+    process cap lowered to that many looks, never raised above the policy's."""
+    looks = sizes(profile).timing_looks
+    if looks is None:
+        return policy
+    cap = min(policy.timing_max_processes, looks * policy.timing_processes)
+    return dataclasses.replace(policy, timing_max_processes=cap)
 
 
 def per_size_values(spec: str | dict[str, Any], profile: str) -> tuple[Any, ...]:

@@ -15,6 +15,7 @@ import pytest
 
 from pytest_dflash import settings
 from pytest_dflash.measure import timing_pool
+from pytest_dflash.policy.profiles import with_profile_timing
 from pytest_dflash.policy.thresholds import Policy, PolicyError, load_policy
 from pytest_dflash.routes import library, origin, shipped
 from pytest_dflash.routes.registry import RegistryError, Route, RouteRegistry
@@ -88,7 +89,11 @@ def start(config: pytest.Config) -> DflashState:
         if not config.pluginmanager.is_registered(hf_engine):
             config.pluginmanager.register(hf_engine, "dflash-hf-routes")
     try:
+        # an explicit profile's timing size (quick: one look); the implicit ones, ci and full,
+        # keep the policy's, and resolving them would import torch here
         state.policy = load_policy(config.rootpath)
+        if asked.profile:
+            state.policy = with_profile_timing(state.policy, asked.profile)
         config.hook.pytest_dflash_routes(registry=state.registry)
         route_plugins = list(config.hook.pytest_dflash_routes.get_hookimpls())
         state.registry.validate()
