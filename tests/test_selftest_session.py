@@ -92,16 +92,20 @@ def test_op_level_parity_defects_are_caught_and_copies_accepted(
 def test_op_level_speed_defects_are_caught_and_the_copy_accepted(
         pytester: pytest.Pytester) -> None:
     """fa2's planted slowdowns fail its speed gate and its unchanged copy passes (a clear gain
-    against SDPA at the quick size): a timing decision, so no other test runs meanwhile."""
+    against SDPA at the quick size): a timing decision, so no other test runs meanwhile. The 1%
+    rung sits on the policy's margin, and the quick profile's one look of 6 processes rejects
+    it in some runs and leaves it inconclusive in others: pending, never passed."""
     result, report = _run(pytester, "-m", "sm70 and speed", "--dflash-route", "attn.d256.fa2")
     section = report["selftest"]
-    _assert_all_caught(section, "attn.d256.fa2", {"speed"})
-    planted = {d["key"] for d in section["routes"]["attn.d256.fa2"]["speed"]["defects"]}
-    assert planted == {"slow_1pct", "slow_3pct", "slow_10pct"}
+    speed = section["routes"]["attn.d256.fa2"]["speed"]
+    statuses = {d["key"]: d["status"] for d in speed["defects"]}
+    assert statuses.pop("slow_1pct") in ("caught", "pending"), speed
+    assert statuses == {"slow_3pct": "caught", "slow_10pct": "caught"}, speed
+    assert not speed["missed"] and speed["evidence"] and speed["copy_agrees"] is True
     # the prefill gate fa2 declares was not selected: its section names the copy, nothing planted
     assert section["routes"]["attn.d256.fa2"]["prefill"]["planted"] == 0
     assert section["routes"]["attn.d256.fa2"]["speed"]["copy"]["status"] == "passed"
-    result.stdout.fnmatch_lines(["*dflash self-test*", "attn.d256.fa2 *speed*pass*3/3*"])
+    result.stdout.fnmatch_lines(["*dflash self-test*", "attn.d256.fa2 *speed*pass*/3*"])
 
 
 def test_model_level_defects_are_caught(pytester: pytest.Pytester) -> None:
