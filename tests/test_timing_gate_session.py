@@ -172,7 +172,7 @@ def test_the_quick_profile_times_one_look(toy: pytest.Pytester) -> None:
     same = ["--dflash-route", "toy.spin.same", "--dflash-device", "cpu", "-p", "no:cacheprovider"]
     looks = {}
     for profile in ("quick", "ci"):
-        toy.runpytest_subprocess("-m", "sm70", "--dflash-profile", profile, *same)
+        toy.runpytest("-m", "sm70", "--dflash-profile", profile, *same)
         report = _report(toy)
         assert report["profile"] == profile
         test = report["routes"]["toy.spin.same"]["gates"]["speed"]["tests"][0]
