@@ -66,11 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.label) != len(args.reports):
         parser.error("give one --label per report")
     rows = []
-    torch_version = cuda = None
+    torch_version = cuda = python = None
     for label, path in zip(args.label, args.reports, strict=True):
         report = json.loads(path.read_text(encoding="utf-8"))
         torch_version = report["fingerprint"].get("torch")
         cuda = report["fingerprint"].get("cuda")
+        python = report["fingerprint"].get("python") or platform.python_version()
         procs, timed, kept = rounds(report)
         size = forms(report)
         rows.append([label, report.get("profile"), report["device"].get("name"),
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "schema": "pytest-dflash/benchmark/1", "kind": "measured", "topic": "reports",
         "title": "Report sizes: as written, and the same evidence in each form",
-        "about": args.about, "machine": args.machine, "python": platform.python_version(),
+        "about": args.about, "machine": args.machine, "python": python,
         "torch": torch_version, "cuda": cuda, "commit": args.commit,
         "date": datetime.date.today().isoformat(), "command": args.command,
         "values": {"columns": ["report", "profile", "device", "bytes as written",
