@@ -111,8 +111,9 @@ def release(device: torch.device | str, *, down_to: int | None = None) -> None:
     other timing workers on the same GPU can build and capture theirs. A no-op on the CPU.
 
     A graph held in a reference cycle keeps its pool until a full collection, and a collection
-    costs tens of milliseconds in a process that imported torch: paid after every job a worker
-    times, one at a time, it was a fifth of a 0.25 s verify-step job. With ``down_to`` (the
+    costs tens of milliseconds in a process that imported torch, paid after every job a worker
+    times while the others wait (an H100 verify-step job is 0.25 s of timed rounds and about
+    0.1 s besides). With ``down_to`` (the
     bytes reserved before the released work was built) the cache is emptied first and the
     collection runs only when that did not get back there."""
     import gc

@@ -319,9 +319,9 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
                 last = time.monotonic()
         if pair.facts is not None:  # inside the count: it may book the last run's hits
             info["facts"] = pair.facts()
-    # the pair's engines stay cached, its buffers and graphs go before the answer (the next
-    # worker is timed meanwhile); the full collection only where emptying the cache did not
-    # get back to what the process held before the build
+    # the pair's engines stay cached, its buffers and graphs go before the answer, while no
+    # worker is timed; the full collection only where emptying the cache did not get back to
+    # what the process held before the build
     down_to = prepared.reserved_before
     del pair, prepared, run_round
     cuda_graphs.release(ctx.device, down_to=down_to)
