@@ -176,7 +176,6 @@ def test_a_planted_prefill_slowdown_is_captured_with_the_prefill():
     assert hashes[0] == hashes[1]
 
 
-
 def test_release_skips_the_collection_when_emptying_the_cache_returns_the_memory():
     """After a worker's turn its pair's buffers go: where emptying the cache gets the process
     back to what it held before the build, ``release(down_to=...)`` runs no full collection
