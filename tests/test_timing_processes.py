@@ -19,6 +19,7 @@ from pytest_dflash.measure.process_statistics import (
     decision_chance,
     process_compare,
     process_statistic,
+    sample_calls,
     statistic_variance,
     t_quantile,
     variance_components,
@@ -174,6 +175,23 @@ def test_variance_components_separate_bias_from_noise():
     assert parts["optimal_rounds"] == pytest.approx(
         np.sqrt(0.5 / parts["round_s"] * parts["within"] / parts["between"])
     )
+
+
+def test_kalibera_jones_rounds_count_every_call_of_a_sample():
+    """A CPU sample of a short call repeats it (calls_per_sample) and records the calls' mean:
+    a round costs that many calls on each side, and the optimum falls with the root of it."""
+    rng = np.random.default_rng(11)
+    samples = _simulated(rng, 1.0)(12, 100)
+    one = variance_components(samples)
+    for sample in samples:
+        sample.info["calls_per_sample"] = 9
+    nine = variance_components(samples)
+    assert nine["round_s"] == pytest.approx(9 * one["round_s"])
+    assert nine["within"] == one["within"] and nine["between"] == one["between"]
+    assert nine["optimal_rounds"] == pytest.approx(one["optimal_rounds"] / 3)
+    for bad in (0, "9", True, None):  # not a count: one call a sample
+        samples[0].info["calls_per_sample"] = bad
+        assert sample_calls(samples[0]) == 1
 
 
 @pytest.mark.parametrize(
