@@ -189,9 +189,12 @@ def test_kalibera_jones_rounds_count_every_call_of_a_sample():
     assert nine["round_s"] == pytest.approx(9 * one["round_s"])
     assert nine["within"] == one["within"] and nine["between"] == one["between"]
     assert nine["optimal_rounds"] == pytest.approx(one["optimal_rounds"] / 3)
-    for bad in (0, "9", True, None):  # not a count: one call a sample
+    del samples[0].info["calls_per_sample"]  # a worker that recorded none: one call a sample
+    assert sample_calls(samples[0]) == 1
+    for bad in (0, "9", True, None):  # not a count: refused, naming the field
         samples[0].info["calls_per_sample"] = bad
-        assert sample_calls(samples[0]) == 1
+        with pytest.raises(ValueError, match="calls_per_sample must be a positive integer"):
+            variance_components(samples)
 
 
 @pytest.mark.parametrize(

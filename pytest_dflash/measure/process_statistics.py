@@ -260,9 +260,15 @@ class ProcessResult:
 
 
 def sample_calls(process: ProcessSample) -> int:
-    """How many calls each of ``process``'s samples timed back to back (1 where not recorded)."""
+    """How many calls each of ``process``'s samples timed back to back (1 where the worker
+    recorded none). A recorded value that is no positive count is refused: costing its rounds
+    as one call would misjudge Kalibera & Jones' rounds without a word."""
     calls = process.info.get("calls_per_sample", 1)
-    return calls if isinstance(calls, int) and not isinstance(calls, bool) and calls >= 1 else 1
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+        raise ValueError(f"process {process.worker}: calls_per_sample must be a positive integer "
+                         f"(the calls each sample timed), got {calls!r}: the timing worker "
+                         "recorded it wrongly")
+    return calls
 
 
 def variance_components(processes: Sequence[ProcessSample]) -> dict[str, float]:
