@@ -21,7 +21,6 @@ pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is part of
 
 RED, GREEN, ORANGE = (0xC6, 0x28, 0x28), (0xA5, 0xD6, 0xA7), (0xE6, 0x51, 0x00)
 DIAMOND, STRIP = (0x15, 0x65, 0xC0), (0x64, 0xB5, 0xF6)
-BAND = (0xFF, 0xE4, 0xA6)  # #ffb300 at alpha 0.35 over white
 
 ROUTE = Route("toy.mm.fast", "toy.mm", "candidate", baseline="toy.mm.base",
               gates=("quality",))
@@ -60,10 +59,11 @@ def _share_near(pixels: np.ndarray, color: tuple[int, int, int], tol: int = 40) 
 
 
 def _band_rows(pixels: np.ndarray) -> int:
-    """Rows the interval band crosses: a horizontal span tints most of the axes' width amber,
-    fully or, on the band's anti-aliased edge rows, faintly. Counted by row, not by pixel share:
-    a narrow interval (a quiet run) covers few rows of the y range, and the legend's swatch alone
-    is one short run of pixels."""
+    """Rows the interval band crosses: a horizontal span (#ffb300 at alpha 0.35) tints most of
+    the axes' width amber, fully or, on the band's anti-aliased edge rows, faintly. Counted by
+    row, not by pixel share: a narrow interval (a quiet run) covers a row or two of the y range,
+    none of them perhaps at full tint, and the legend's swatch alone is one short run of
+    pixels."""
     r, g, b = (pixels[..., k] for k in range(3))
     tinted = (r >= 250) & (b <= 245) & (g - b >= 10)
     return int((tinted.mean(axis=1) > 0.4).sum())
@@ -109,7 +109,6 @@ def test_a_timing_picture_shows_each_process_its_rounds_and_the_interval(
     assert _share_near(speed, RED) > 0.0005  # the threshold line
     assert _share_near(speed, ORANGE) > 0.0005  # the ratio
     assert _band_rows(speed) >= 1  # the interval, across the axes
-    assert _share_near(speed, BAND, 12) > 0.0005  # at full tint somewhere
     # the SVG has one diamond per process the gate timed
     record = real_runs.load(real_runs.merged)["routes"]["attn.d256.fa2"]["gates"]["speed"][
         "tests"][0]["measurements"]
