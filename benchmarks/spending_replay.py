@@ -36,10 +36,11 @@ from pytest_dflash.measure.decision import INTERIM_SHARE
 from pytest_dflash.measure.process_statistics import ProcessSample, process_compare
 from pytest_dflash.policy.thresholds import Policy
 
-# (first look, process cap, interim share): the policy's design first
+# (first look, process cap, interim share): the policy's design first; (6, 6) is one look at
+# the nominal confidence, the quick and ci profiles' design (ProfileSizes.timing_looks)
 DESIGNS: tuple[tuple[int, int, float], ...] = (
     (6, 18, INTERIM_SHARE), (6, 18, 0.3), (6, 18, 2 / 3), (8, 16, INTERIM_SHARE),
-    (4, 16, INTERIM_SHARE), (6, 12, INTERIM_SHARE))
+    (4, 16, INTERIM_SHARE), (6, 12, INTERIM_SHARE), (6, 6, INTERIM_SHARE))
 RESAMPLES = 200
 
 
@@ -50,9 +51,11 @@ def replay(stats: np.ndarray, rule: str, threshold: float, design: tuple[int, in
     rng = np.random.default_rng(seed)
 
     def sample(count: int, rounds: int) -> list[ProcessSample]:
-        del rounds  # a recorded statistic stands for the whole process
-        return [ProcessSample(worker=0, pid=0, candidate_s=[math.exp(s)], baseline_s=[1.0],
-                              orders=["cb"]) for s in rng.choice(stats, count)]
+        del rounds  # a recorded statistic stands for the whole process: two rounds of that
+        # ratio, the fewest a process's own variance (variance_components) is defined for
+        return [ProcessSample(worker=0, pid=0, candidate_s=[math.exp(s)] * 2,
+                              baseline_s=[1.0, 1.0], orders=["cb", "bc"])
+                for s in rng.choice(stats, count)]
 
     result = process_compare(
         sample, processes=first, max_processes=cap, rounds=policy.timing_min_rounds_per_process,

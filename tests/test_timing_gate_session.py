@@ -160,23 +160,24 @@ def test_inconclusive_leaves_the_route_pending_and_strict_fails(toy: pytest.Pyte
     strict.stdout.fnmatch_lines(["*strict mode: selected candidates left pending: toy.spin.slow*"])
 
 
-def test_the_quick_profile_times_one_look(toy: pytest.Pytester) -> None:
-    """``quick`` is a smoke run (``ProfileSizes.timing_looks``): its timing gates take one look
-    of the policy's processes, where ``ci`` goes on looking at a gate that has not decided
-    (identical code against the 1% gain: two processes never decide it, and with the futility
-    stop off the ci run looks again). The cap is in the report's policy and the workers'."""
+def test_the_quick_and_ci_profiles_time_one_look(toy: pytest.Pytester) -> None:
+    """``quick`` and ``ci`` (``ProfileSizes.timing_looks``) take one look of the policy's
+    processes, where ``full`` goes on looking at a gate that has not decided (identical code
+    against the 1% gain: two processes never decide it, and with the futility stop off the full
+    run looks again). The implicit profile of a CPU run is ci and is sized too, though it is
+    known only once the device is. The cap is in the report's policy and the workers'."""
     toy.makepyfile(test_gates=GATES)
     toy.makefile(".toml", pyproject="[tool.pytest-dflash]\ntiming_processes = 2\n"
                  "timing_max_processes = 4\ntiming_min_rounds_per_process = 8\n"
                  "timing_process_s = 0.0\ntiming_futility = 0\n")
     same = ["--dflash-route", "toy.spin.same", "--dflash-device", "cpu", "-p", "no:cacheprovider"]
     looks = {}
-    for profile in ("quick", "ci"):
-        toy.runpytest("-m", "sm70", "--dflash-profile", profile, *same)
+    for profile in ("quick", "ci", "full", None):
+        asked = ["--dflash-profile", profile] if profile else []
+        toy.runpytest("-m", "sm70", *asked, *same)
         report = _report(toy)
-        assert report["profile"] == profile
+        assert report["profile"] == (profile or "ci")
         test = report["routes"]["toy.spin.same"]["gates"]["speed"]["tests"][0]
         looks[profile] = test["measurements"]["looks"]
-        assert report["policy"]["timing_max_processes"] == (2 if profile == "quick" else 4)
-    assert looks["quick"] == [2], looks
-    assert looks["ci"] == [2, 4], looks
+        assert report["policy"]["timing_max_processes"] == (4 if profile == "full" else 2)
+    assert looks == {"quick": [2], "ci": [2], "full": [2, 4], None: [2]}, looks

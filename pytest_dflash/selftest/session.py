@@ -79,7 +79,7 @@ def start(config: pytest.Config, state: Any) -> SelftestSession:
     self-test's hooks (``state`` is the session's ``pytest_dflash.session.state.DflashState``),
     here and in every timing worker (``timing_worker``)."""
     originals = [route.name for route in state.candidates()]
-    selftest = SelftestSession(config, state.policy)
+    selftest = SelftestSession(config, state.thresholds)
     selftest.install(state.registry, state.candidates(), state.selected_routes,
                      state.selected_gates)
     state.planted.update(selftest.records)

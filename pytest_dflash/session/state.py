@@ -41,7 +41,10 @@ class DflashState:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.registry = RouteRegistry()
-        self.policy = Policy()
+        # the predeclared policy with the project's overrides; ``policy`` adds the profile's
+        # timing size once the profile is known
+        self.thresholds = Policy()
+        self._sized: Policy | None = None
         self.selected_routes: set[str] = set()
         self.selected_gates: set[tuple[str, str]] = set()
         self.timing_pool: timing_pool.TimingPool | None = None
@@ -49,6 +52,20 @@ class DflashState:
         self.worker_plugins: list[dict[str, Any]] = []
         self.planted: dict[str, dict[str, Any]] = {}  # route -> its report field ``planted``
         self.shard: dict[str, Any] | None = None  # --dflash-shard: the report field ``shard``
+
+    @property
+    def policy(self) -> Policy:
+        """The policy the gates run with: ``thresholds`` sized by the session profile
+        (``profiles.with_profile_timing``: quick and ci take one look of the timing processes).
+
+        Sized at the first read, not at configure: an implicit profile (ci on the CPU, full on
+        CUDA) is known only once the device is, and asking the device imports torch, which a
+        session that runs no gate never does. Code that runs at configure reads
+        ``thresholds``, which no profile changes.
+        """
+        if self._sized is None:
+            self._sized = with_profile_timing(self.thresholds, profile_of(self.config))
+        return self._sized
 
     def candidates(self) -> list[Route]:
         """The candidates this run gates: all registered, narrowed by the selection options."""
@@ -89,11 +106,9 @@ def start(config: pytest.Config) -> DflashState:
         if not config.pluginmanager.is_registered(hf_engine):
             config.pluginmanager.register(hf_engine, "dflash-hf-routes")
     try:
-        # an explicit profile's timing size (quick: one look); the implicit ones, ci and full,
-        # keep the policy's, and resolving them would import torch here
-        state.policy = load_policy(config.rootpath)
-        if asked.profile:
-            state.policy = with_profile_timing(state.policy, asked.profile)
+        state.thresholds = load_policy(config.rootpath)
+        if asked.profile:  # an unknown profile is a usage error now, before any test runs
+            with_profile_timing(state.thresholds, asked.profile)
         config.hook.pytest_dflash_routes(registry=state.registry)
         route_plugins = list(config.hook.pytest_dflash_routes.get_hookimpls())
         state.registry.validate()
@@ -109,7 +124,8 @@ def start(config: pytest.Config) -> DflashState:
         device_info(config)  # an explicit device is checked now, as a usage error
     state.timing_pool = timing_pool.TimingPool(
         lambda: _worker_spec(config, state, route_plugins),
-        size=state.policy.timing_processes, timeout_s=state.policy.timing_worker_timeout_s)
+        size=state.thresholds.timing_processes,
+        timeout_s=state.thresholds.timing_worker_timeout_s)
     return state
 
 
