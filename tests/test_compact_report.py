@@ -199,6 +199,9 @@ def test_replays_read_every_round_or_name_the_option_that_keeps_them() -> None:
     # the seconds a process timed come from the summary of every round, not the sample
     assert compact.timed_seconds(kept) == pytest.approx(sum(cand) + sum(base))
     assert compact.timed_seconds(full) == pytest.approx(sum(cand) + sum(base))
+    # a CPU sample of a short call is the mean of calls_per_sample calls: each cost them all
+    kept["info"] = {**(kept.get("info") or {}), "calls_per_sample": 9}
+    assert compact.timed_seconds(kept) == pytest.approx(9 * (sum(cand) + sum(base)))
 
 
 def test_the_size_script_reads_real_reports(real_runs, tmp_path: Path) -> None:

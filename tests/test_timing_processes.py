@@ -190,7 +190,7 @@ def test_kalibera_jones_rounds_count_every_call_of_a_sample():
     assert nine["within"] == one["within"] and nine["between"] == one["between"]
     assert nine["optimal_rounds"] == pytest.approx(one["optimal_rounds"] / 3)
     del samples[0].info["calls_per_sample"]  # a worker that recorded none: one call a sample
-    assert sample_calls(samples[0]) == 1
+    assert sample_calls(samples[0].info, samples[0].worker) == 1
     for bad in (0, "9", True, None):  # not a count: refused, naming the field
         samples[0].info["calls_per_sample"] = bad
         with pytest.raises(ValueError, match="calls_per_sample must be a positive integer"):

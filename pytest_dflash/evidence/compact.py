@@ -166,9 +166,14 @@ def every_round(proc: Mapping[str, Any]) -> tuple[list[float], list[float], list
 
 def timed_seconds(proc: Mapping[str, Any]) -> float:
     """Seconds a process spent in its timed rounds, both sides: from the summary of every round
-    when the report has one, else from the rounds kept whole."""
+    when the report has one, else from the rounds kept whole. A CPU sample of a short call is
+    the mean of ``calls_per_sample`` calls timed back to back, so each sample cost that many
+    times its seconds."""
+    from pytest_dflash.measure.process_statistics import sample_calls
+
+    calls = sample_calls(proc.get("info") or {}, proc.get("worker"))
     summary_ = proc.get("summary") or {}
     if "candidate_s" in summary_ and "baseline_s" in summary_:
-        return float(summary_["candidate_s"]["total"] + summary_["baseline_s"]["total"])
+        return calls * float(summary_["candidate_s"]["total"] + summary_["baseline_s"]["total"])
     cand, base, _ = every_round(proc)
-    return float(sum(cand) + sum(base))
+    return calls * float(sum(cand) + sum(base))

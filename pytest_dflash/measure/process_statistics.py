@@ -18,7 +18,7 @@ numpy only (no torch, no scipy).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,13 +259,14 @@ class ProcessResult:
         }
 
 
-def sample_calls(process: ProcessSample) -> int:
-    """How many calls each of ``process``'s samples timed back to back (1 where the worker
-    recorded none). A recorded value that is no positive count is refused: costing its rounds
-    as one call would misjudge Kalibera & Jones' rounds without a word."""
-    calls = process.info.get("calls_per_sample", 1)
+def sample_calls(info: Mapping[str, Any], worker: object) -> int:
+    """How many calls each sample of worker ``worker``'s process timed back to back, from the
+    process's ``info`` (1 where the worker recorded none). A recorded value that is no positive
+    count is refused: costing its rounds as one call would misjudge Kalibera & Jones' rounds,
+    or a replay's seconds, without a word."""
+    calls = info.get("calls_per_sample", 1)
     if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
-        raise ValueError(f"process {process.worker}: calls_per_sample must be a positive integer "
+        raise ValueError(f"process {worker}: calls_per_sample must be a positive integer "
                          f"(the calls each sample timed), got {calls!r}: the timing worker "
                          "recorded it wrongly")
     return calls
@@ -296,7 +297,7 @@ def variance_components(processes: Sequence[ProcessSample]) -> dict[str, float]:
     raw_between = float(np.var(stats, ddof=1)) if stats.size > 1 else 0.0
     between = max(0.0, raw_between - float(np.mean(own)))
     round_cost = float(np.mean([(np.mean(p.candidate_s) + np.mean(p.baseline_s))
-                                * sample_calls(p) for p in processes]))
+                                * sample_calls(p.info, p.worker) for p in processes]))
     setup = float(np.mean([p.setup_s for p in processes]))
     if between > 0 and round_cost > 0:
         optimal = math.sqrt(max(setup, round_cost) / round_cost * within / between)
