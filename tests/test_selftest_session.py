@@ -145,18 +145,18 @@ def test_validation_cost_defects_are_caught(pytester: pytest.Pytester) -> None:
     scales are about half, so there a planted "2%" costs well under 2% and an exact gate may
     rightly pass it (docs/selftest.md). One regressed width rejects, so the verify widths are
     M = 1..3 (``validation_max_m``): each of 1..8 measured the planted 2% at 1.016 to 1.022,
-    and timing all eight cost this test 54 s of its 60. One look of 6 processes
-    (``timing_max_processes = 6``), at the full confidence; the shipped looks only add
-    processes to a gate that has not decided (they took this test from 20 to 51 s by the widths
-    they reached). The wrong path is caught by the gate's path check, whatever the noise. The
+    and timing all eight cost this test 54 s of its 60. The ci profile's one look of 6
+    processes, at the full confidence; the policy's further looks only add processes to a gate
+    that has not decided (they took this test from 20 to 51 s by the widths they reached). The
+    wrong path is caught by the gate's path check, whatever the noise. The
     planted 2% is the policy's size: the gate must never pass it; it rejects it where this
     machine's noise lets one look resolve 2%, and where it does not (a CI machine left it
     inconclusive) the catch table must say that the gate cannot resolve the policy's 2% here."""
-    pytester.makepyprojecttoml("[tool.pytest-dflash]\nvalidation_max_m = 3\n"
-                               "timing_max_processes = 6\n")
+    pytester.makepyprojecttoml("[tool.pytest-dflash]\nvalidation_max_m = 3\n")
     result, report = _run(pytester, "-m", "sm70", "-k", "verify_path or verify_cost",
                           "--dflash-profile", "ci",
                           "--dflash-gate", "gemm.nvfp4.qpn2_packed:validation_cost")
+    assert report["policy"]["timing_max_processes"] == 6  # the ci profile's one look
     vc = report["selftest"]["routes"]["gemm.nvfp4.qpn2_packed"]["validation_cost"]
     status = {d["key"]: d["status"] for d in vc["defects"]}
     assert status["verify_path"] == "caught" and set(status) == {"verify_path", "verify_cost_2pct"}
