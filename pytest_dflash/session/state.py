@@ -19,7 +19,7 @@ from pytest_dflash.policy.profiles import with_profile_timing
 from pytest_dflash.policy.thresholds import Policy, PolicyError, load_policy
 from pytest_dflash.routes import library, origin, shipped
 from pytest_dflash.routes.registry import RegistryError, Route, RouteRegistry
-from pytest_dflash.routes.vocabulary import UnknownNameError, check_kind
+from pytest_dflash.routes.vocabulary import UnknownNameError, check_kind, check_profile
 from pytest_dflash.session import shard
 from pytest_dflash.session.environment import (
     device_info,
@@ -108,7 +108,7 @@ def start(config: pytest.Config) -> DflashState:
     try:
         state.thresholds = load_policy(config.rootpath)
         if asked.profile:  # an unknown profile is a usage error now, before any test runs
-            with_profile_timing(state.thresholds, asked.profile)
+            check_profile(asked.profile)
         config.hook.pytest_dflash_routes(registry=state.registry)
         route_plugins = list(config.hook.pytest_dflash_routes.get_hookimpls())
         state.registry.validate()
