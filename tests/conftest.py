@@ -106,7 +106,26 @@ def worker_threads(cores: int, workers: int) -> int:
     return max(1, cores // max(1, workers))
 
 
+CACHE_HOME = "XDG_CACHE_HOME"
+
+
+def pin_cache_home() -> Path:
+    """Keep every test on the caller's cache folder, whatever HOME a test is given.
+
+    pytester gives each test a HOME of its own (its tmp path), so the user's ``~/.cache``
+    vanished for every gate session a test started there, in process or as a child: each one
+    built the native library again (11 to 14 s on two cores), and the Hugging Face and
+    matplotlib caches started empty. Pinning ``XDG_CACHE_HOME`` (which pytest-dflash's build
+    cache, huggingface_hub, datasets, matplotlib and torch's extension builds all follow) to the
+    folder the caller's HOME gives keeps one cache for the whole run; a caller who sets it, or
+    ``DFLASH_CACHE_DIR``, keeps theirs. A test of the cache's location sets its own."""
+    if not os.environ.get(CACHE_HOME):
+        os.environ[CACHE_HOME] = str(Path.home() / ".cache")
+    return Path(os.environ[CACHE_HOME])
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    pin_cache_home()
     config.addinivalue_line(
         "markers", "idle_cores: the test asserts a timing decision; under xdist no other test "
         "runs while it does (the other workers wait), on the caller's torch threads")

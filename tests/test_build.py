@@ -62,6 +62,21 @@ def test_cache_dir_from_environment(monkeypatch, tmp_path):
     assert build.default_cache_dir() == tmp_path / "xdg" / "pytest-dflash"
 
 
+def test_a_test_with_a_home_of_its_own_keeps_the_runs_build_cache(pytester, monkeypatch):
+    """pytester moves HOME into the test's tmp path. The gate sessions such a test starts, in
+    process or as children, must still find the library in the run's one cache
+    (tests/conftest.py pins XDG_CACHE_HOME), or each of them builds it again."""
+    monkeypatch.delenv("DFLASH_CACHE_DIR", raising=False)  # the default location is tested
+    assert Path.home() == pytester.path
+    here = build.default_cache_dir()
+    assert pytester.path not in here.parents, f"{here}: the cache moved with HOME"
+    child = subprocess.run(
+        [sys.executable, "-c",
+         "from pytest_dflash.native import build; print(build.default_cache_dir())"],
+        capture_output=True, text=True, check=True, timeout=60)
+    assert Path(child.stdout.strip()) == here
+
+
 def test_compiler_failure_is_a_clear_error_and_leaves_nothing(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")
     failed = r"building libdflash_d256_full.so failed \(exit 1\)"
