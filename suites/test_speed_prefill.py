@@ -103,6 +103,37 @@ def check_agreement(dflash_gate, baseline, candidate, text: list[int],
     return record, failures
 
 
+def shared_look(dflash_gate, baseline, ids: list[int]):
+    """This gate's share of the first look timed with the other routes whose cold prefill of
+    the same prompt is judged against the same baseline engine (docs/gates.md, "Shared
+    looks"): their samples if one of them timed it, else a look of this route and those still
+    to run. Those routes' agreement is checked by their own tests, before their timing counts;
+    a route whose engine cannot be built here or rebuilt in a timing worker is left to its own
+    test."""
+    import hashlib
+    import json
+
+    from pytest_dflash.measure.timing import SharedLook
+
+    builder = "dflash_suites.support.engine:cold_prefill_arms"
+    peers = []
+    for peer in dflash_gate.peers(size=len(ids)):
+        try:  # built once per session: the peer's own test gets the same engine
+            engine = dflash_gate.engine(peer.name)
+        except (Exception, pytest.skip.Exception):  # its own test says why
+            continue
+        if dflash_gate.engine_job(builder, (engine,)) is not None:  # a worker can rebuild it
+            peers.append(peer.name)
+    route = dflash_gate.route
+    prompt = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:12]
+    engine = dflash_gate.registry.engine_selection((dflash_gate.baseline_route.name,))
+    group = (f"cold prefill of {len(ids)} tokens (prompt {prompt}) against "
+             f"{json.dumps(engine, sort_keys=True)}")
+    job = dflash_gate.engine_job(builder, (baseline,), routes=[route.name, *peers],
+                                 baseline=route.baseline, ids=ids) if peers else None
+    return SharedLook(group, route.name, dflash_gate.timing.looks, job)
+
+
 @pytest.mark.gate("prefill", family=ENGINE_FAMILIES, per_size="prefill_lengths")
 def test_speed_cold_prefill(dflash_gate, size):
     from pytest_dflash.engines.data import prompt_ids
@@ -131,7 +162,8 @@ def test_speed_cold_prefill(dflash_gate, size):
         speed_gate(local.candidate, local.baseline, policy=dflash_gate.policy,
                    device=dflash_gate.device, record=measured.update,
                    label=f"{route.name} cold prefill {length} tokens",
-                   before_each=local.before_each, job=job, timing=dflash_gate.timing)
+                   before_each=local.before_each, job=job, timing=dflash_gate.timing,
+                   shared=shared_look(dflash_gate, baseline, ids) if job else None)
         failure = None
     except (AssertionError, TimingInconclusive) as exc:  # judged after the evidence below
         failure = exc

@@ -181,3 +181,96 @@ def test_the_quick_and_ci_profiles_time_one_look(toy: pytest.Pytester) -> None:
         looks[profile] = test["measurements"]["looks"]
         assert report["policy"]["timing_max_processes"] == (4 if profile == "full" else 2)
     assert looks == {"quick": [2], "ci": [2], "full": [2, 4], None: [2]}, looks
+
+
+SHARED_JOBS = """
+
+from pytest_dflash.measure.timing_pool import TimedArms
+
+
+def arms(ctx, *, routes, baseline):
+    return TimedArms(ctx.implementation(baseline),
+                     {route: ctx.implementation(route) for route in routes})
+
+
+def broken_arms(ctx, *, routes, baseline):
+    raise RuntimeError("the group's builder broke")
+"""
+
+SHARED = """
+import os
+
+import pytest
+
+from pytest_dflash.measure.timing import SharedLook, speed_gate
+from pytest_dflash.measure.timing_pool import TimingJob
+
+pytestmark = pytest.mark.sm70
+
+
+@pytest.mark.gate("speed", family="toy.spin")
+def test_speed(dflash_gate):
+    route = dflash_gate.route
+    peers = [peer.name for peer in dflash_gate.peers()]
+    dflash_gate.record(peers=peers)
+    group = TimingJob(os.environ["TOY_ARMS"], {"routes": [route.name, *peers],
+                                               "baseline": route.baseline}) if peers else None
+    speed_gate(None, None, policy=dflash_gate.policy, device=dflash_gate.device,
+               record=dflash_gate.record, label="spin",
+               job=TimingJob("toyjobs:pair", {"route": route.name}), timing=dflash_gate.timing,
+               shared=SharedLook("toy spin", route.name, dflash_gate.timing.looks, group))
+"""
+
+
+@pytest.mark.idle_cores  # the planted 2x must be told from identical code on 3 processes
+def test_gates_of_one_baseline_share_their_first_look(toy: pytest.Pytester,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two routes of one baseline: the first gate times the first look of both in the same
+    rounds (the baseline once a round), the second takes its samples from the session. Each
+    route's ratio is still its own (the planted 2x, identical code at 1), paired with the
+    baseline runs of its own rounds. A look of the full profile after the first is each
+    route's own; a group whose look fails is said in the record and each route is timed
+    alone."""
+    toy.makepyfile(test_gates=SHARED)
+    with open(toy.path / "toyjobs.py", "a", encoding="utf-8") as fh:
+        fh.write(SHARED_JOBS)
+    # no gain asked: identical code straddles the margin, so the full profile looks again
+    toy.makefile(".toml", pyproject="[tool.pytest-dflash]\ntiming_processes = 3\n"
+                 "timing_max_processes = 6\ntiming_min_rounds_per_process = 8\n"
+                 "timing_process_s = 0.0\ntiming_futility = 0\nspeed_min_gain = 0.0\n")
+    both = ["--dflash-route", "toy.spin.slow", "--dflash-route", "toy.spin.same",
+            "--dflash-device", "cpu", "-p", "no:cacheprovider", "--dflash-every-test"]
+
+    def tests() -> dict[str, dict]:
+        routes = _report(toy)["routes"]
+        return {name: routes[name]["gates"]["speed"]["tests"][0]["measurements"]
+                for name in ("toy.spin.slow", "toy.spin.same")}
+
+    monkeypatch.setenv("TOY_ARMS", "toyjobs:arms")
+    toy.runpytest_subprocess("-m", "sm70", "--dflash-profile", "full", *both)
+    slow, same = tests().values()
+    # the first of the two to run timed the look for both
+    assert sorted([slow["peers"], same["peers"]]) in ([[], ["toy.spin.same"]],
+                                                      [[], ["toy.spin.slow"]])
+    for mine, theirs in zip(slow["processes"][:3], same["processes"][:3], strict=True):
+        assert mine["pid"] == theirs["pid"]
+        assert mine["info"]["arms"] == theirs["info"]["arms"] == ["toy.spin.same",
+                                                                  "toy.spin.slow"]
+        # one baseline run a round, shared: the same seconds in both routes' samples
+        assert mine["samples"]["baseline"] == theirs["samples"]["baseline"]
+        assert mine["samples"]["candidate"] != theirs["samples"]["candidate"]
+    assert 1.5 < slow["ratio_median"] < 4.0  # the planted 2x
+    assert 0.8 < same["ratio_median"] < 1.25  # identical code
+    # identical code against a 1% gain looks again (full profile), in its own processes
+    assert same["looks"] == [3, 6]
+    assert all("arms" not in p["info"] for p in same["processes"][3:])
+    assert "shared_look" not in slow and "shared_look" not in same
+
+    monkeypatch.setenv("TOY_ARMS", "toyjobs:broken_arms")
+    toy.runpytest_subprocess("-m", "sm70", *both)
+    slow, same = tests().values()
+    leader, follower = (slow, same) if slow["peers"] else (same, slow)
+    assert leader["shared_look"].startswith("not shared, timed alone: the group's look failed")
+    assert "the group's builder broke" in leader["shared_look"] and "shared_look" not in follower
+    assert slow["decision"] == "fail" and 1.5 < slow["ratio_median"] < 4.0
+    assert all("arms" not in p["info"] for p in slow["processes"] + same["processes"])

@@ -57,7 +57,9 @@ class GateContext:
                  engine: Callable[[dict[str, str]], Any], data_dir: Path | None = None,
                  servers: Callable[[], list[dict[str, Any]]] | None = None,
                  rebuildable: Callable[[Any], bool] | None = None,
-                 timing: TimingSetup | None = None) -> None:
+                 timing: TimingSetup | None = None,
+                 upcoming: Callable[[], list[tuple[Route, dict[str, Any]]]] | None = None,
+                 ) -> None:
         self.route = route
         self.kind = kind
         self.registry = registry
@@ -69,6 +71,7 @@ class GateContext:
         self.data_dir = data_dir  # --dflash-data, or None for the shipped held-out data
         self._servers = servers
         self._rebuildable = rebuildable
+        self._upcoming = upcoming  # later tests of this test function: (route, parameters)
         # what counts as the candidate's own code when a test raises (routes.origin)
         self.candidate_code = CandidateCode()
         # the session's timing pool and progress sinks, for speed_gate(..., timing=...)
@@ -193,6 +196,26 @@ class GateContext:
         if self._rebuildable is None or not all(self._rebuildable(e) for e in engines):
             return None
         return TimingJob(builder, kwargs)
+
+    def peers(self, **params: Any) -> list[Route]:
+        """The routes this gate may time its first look with (``timing.SharedLook``): those
+        whose test of this gate, with the same ``params`` (e.g. ``size=1024``), is still to run
+        in this session, whose gate has not failed and whose baseline runs what this route's
+        baseline runs (the same engine selection). A route that books another route's hits
+        (``Route.hit_source``, the self-test's copies) is never grouped: its hits are
+        attributed per test. Empty outside a session and under xdist."""
+        if self._upcoming is None or self.route.hit_source is not None:
+            return []
+        own = self.registry.engine_selection((self.baseline_route.name,))
+        found = []
+        for route, values in self._upcoming():
+            if (route.name == self.route.name or route.hit_source is not None
+                    or any(values.get(key) != value for key, value in params.items())):
+                continue
+            baseline = route.baseline or self.registry.family_of(route.family).baseline
+            if self.registry.engine_selection((baseline,)) == own:
+                found.append(route)
+        return found
 
     def record_engines(self, *engines: Any) -> None:
         """Record what the engines were: their kind and capabilities, each one's route proof

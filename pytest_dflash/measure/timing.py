@@ -30,6 +30,7 @@ import os
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -167,18 +168,15 @@ def calls_per_sample(baseline: Callable[[], Any], device: torch.device | str,
     return max(1, min(10_000, math.ceil(min_seconds / max(single, 1e-9))))
 
 
-def round_timer(candidate: Callable[[], Any], baseline: Callable[[], Any], *,
-                device: torch.device | str, calls: int = 1,
-                before_each: Callable[[], Any] | None = None) -> RoundTimer:
-    """One timed round of the pair, in the order asked for: (candidate, baseline) seconds per call.
+def arms_timer(arms: dict[str, Callable[[], Any]], *, device: torch.device | str,
+               calls: int = 1, before_each: Callable[[], Any] | None = None,
+               ) -> Callable[[Sequence[str]], dict[str, float]]:
+    """One timed round of every named arm, in the order asked for: seconds per call by name.
 
-    Each side is one sample: ``calls`` calls back to back (short CPU calls,
-    :func:`calls_per_sample`; one call on CUDA), timed together, the figure their mean; the
-    side named first in ``order`` goes first. ``before_each`` runs, untimed, before each
-    sample (it forces one call a sample: each call must see its reset). Calls alternated side
-    by side within a round were measured and not kept (docs/gates.md, "What was tried and not
-    kept"): they did not narrow the spread of identical code's per-process statistic.
-    """
+    Each arm is one sample: ``calls`` calls back to back (short CPU calls,
+    :func:`calls_per_sample`; one call on CUDA), timed together, the figure their mean.
+    ``before_each`` runs, untimed, before each sample (it forces one call a sample: each call
+    must see its reset)."""
     if calls > 1 and before_each is not None:
         raise ValueError(f"a before_each reset needs one call a sample, got calls={calls}")
     timer = timer_for(device)
@@ -195,13 +193,49 @@ def round_timer(candidate: Callable[[], Any], baseline: Callable[[], Any], *,
 
         return timer(repeated) / calls
 
-    sides = {"c": candidate, "b": baseline}
+    def run_round(order: Sequence[str]) -> dict[str, float]:
+        return {name: sample(arms[name]) for name in order}
+
+    return run_round
+
+
+def round_timer(candidate: Callable[[], Any], baseline: Callable[[], Any], *,
+                device: torch.device | str, calls: int = 1,
+                before_each: Callable[[], Any] | None = None) -> RoundTimer:
+    """One timed round of the pair, in the order asked for (``"cb"`` or ``"bc"``): (candidate,
+    baseline) seconds per call (:func:`arms_timer` of the two). Calls alternated side by side
+    within a round were measured and not kept (docs/gates.md, "What was tried and not kept"):
+    they did not narrow the spread of identical code's per-process statistic.
+    """
+    run = arms_timer({"c": candidate, "b": baseline}, device=device, calls=calls,
+                     before_each=before_each)
 
     def run_round(order: str) -> tuple[float, float]:
-        spent = {side: sample(sides[side]) for side in order}
+        spent = run(order)
         return spent["c"], spent["b"]
 
     return run_round
+
+
+@dataclass(frozen=True)
+class SharedLook:
+    """A gate's first look timed together with the same gate's first look of other routes, all
+    against one baseline (docs/gates.md, "Shared looks").
+
+    A route's samples may already wait in ``store`` (the session's), under ``group``, which
+    names what the routes share (the builder, the baseline's engine, the input): an earlier
+    gate of the group timed them. Otherwise ``job`` builds
+    :class:`~pytest_dflash.measure.timing_pool.TimedArms` of every route still to be judged,
+    ``route`` (this gate's) among them, and the others' samples wait in ``store`` for their
+    own gates; without a ``job`` (no other route to share with) the route is timed alone. The
+    rounds are a pair's: each route's ratio is paired with the baseline run of its own round;
+    the baseline just runs once a round for all of them.
+    """
+
+    group: str
+    route: str
+    store: dict[tuple[str, str], Any]
+    job: timing_pool.TimingJob | None = None
 
 
 def speed_gate(
@@ -216,6 +250,7 @@ def speed_gate(
     rule: str = "gain",
     job: timing_pool.TimingJob | None = None,
     timing: timing_pool.TimingSetup | None = None,
+    shared: SharedLook | None = None,
 ) -> PairedResult | ProcessResult:
     """Time ``candidate`` against ``baseline`` and pass, fail or leave the gate inconclusive.
 
@@ -225,8 +260,11 @@ def speed_gate(
     :class:`TimingInconclusive`. With ``job`` and a timing pool in ``timing`` (the session's:
     ``dflash_gate.timing``, which also names where progress goes), the pair is built and timed
     in the worker processes (``candidate``/``baseline`` may then be None); otherwise in this
-    process, in a seeded random order per round. Measurements, raw samples included, are
-    passed to ``record`` before the verdict, so a failed gate still reports what it measured.
+    process, in a seeded random order per round. With ``shared`` the first look in the workers
+    is the one timed for the whole group (:class:`SharedLook`); a group look that fails (a
+    worker error) is said in the record (``shared_look``) and the route is timed alone.
+    Measurements, raw samples included, are passed to ``record`` before the verdict, so a
+    failed gate still reports what it measured.
     """
     load_before = list(os.getloadavg())
     if job is not None and timing is None:
@@ -236,10 +274,11 @@ def speed_gate(
     timing = timing or timing_pool.TimingSetup()
     pool = timing.pool
     if job is not None and pool is not None:
+        extra: dict[str, Any] = {"pool_workers": pool.size}
         result: PairedResult | ProcessResult = _across_processes(
             pool, job, policy=policy, label=label, rule=rule,
-            budget_s=process_budget(rule, device, policy), sinks=timing.sinks)
-        extra: dict[str, Any] = {"pool_workers": pool.size}
+            budget_s=process_budget(rule, device, policy), sinks=timing.sinks,
+            shared=shared, notes=extra)
     else:
         if not callable(candidate) or not callable(baseline):
             raise TypeError(f"{label}: candidate and baseline must be zero-argument callables")
@@ -278,18 +317,25 @@ def process_budget(rule: str, device: torch.device | str, policy: Policy) -> flo
 
 def _across_processes(pool: timing_pool.TimingPool, job: timing_pool.TimingJob, *, policy: Policy,
                       label: str, rule: str, budget_s: float,
-                      sinks: Sequence[Any] = ()) -> ProcessResult:
+                      sinks: Sequence[Any] = (), shared: SharedLook | None = None,
+                      notes: dict[str, Any] | None = None) -> ProcessResult:
     """The pool's first workers give the first look, each later look the next ones."""
     threshold = threshold_for(rule, policy)
     seed = policy.seed + zlib.crc32(label.encode())
     used = [0]
     modes: dict[str, str] = {}
+    sizes: dict[str, Any] = {"warmup": policy.speed_warmup,
+                             "max_rounds": policy.timing_max_rounds_per_process,
+                             "budget_s": budget_s}
 
     def sample(count: int, rounds: int) -> list[Any]:
-        samples = pool.sample(job, count, rounds=rounds, warmup=policy.speed_warmup,
-                              seed=seed, label=label, first=used[0],
-                              max_rounds=policy.timing_max_rounds_per_process,
-                              budget_s=budget_s)
+        samples = None
+        if shared is not None and used[0] == 0:
+            samples = _shared_first_look(pool, shared, count, rounds=rounds, label=label,
+                                         seed=policy.seed, notes=notes, **sizes)
+        if samples is None:
+            samples = pool.sample(job, count, rounds=rounds, seed=seed, label=label,
+                                  first=used[0], **sizes)
         used[0] += count
         for s in samples:
             modes.setdefault(timing_mode(s.info), str(s.info.get("graph")))
@@ -310,6 +356,31 @@ def _across_processes(pool: timing_pool.TimingPool, job: timing_pool.TimingJob, 
             rounds=policy.timing_min_rounds_per_process, confidence=policy.speed_confidence,
             rule=rule, threshold=threshold, max_rounds=policy.timing_max_rounds_per_process,
             futility=policy.timing_futility)
+
+
+def _shared_first_look(pool: timing_pool.TimingPool, shared: SharedLook, count: int, *,
+                       rounds: int, label: str, seed: int, warmup: int, max_rounds: int,
+                       budget_s: float, notes: dict[str, Any] | None) -> list[Any] | None:
+    """This route's first look from the group's (timed now if no other route of the group
+    timed it), or None: nothing to share (the route is then timed alone) or the group's look
+    failed (timed alone, and ``notes["shared_look"]`` says why)."""
+    waiting = shared.store.pop((shared.group, shared.route), None)
+    if waiting is not None or shared.job is None:
+        return waiting
+    try:
+        by_route = pool.sample_arms(shared.job, count, rounds=rounds, warmup=warmup,
+                                    seed=seed + zlib.crc32(shared.group.encode()),
+                                    label=f"{label} (first look shared: {shared.group})",
+                                    max_rounds=max_rounds, budget_s=budget_s)
+    except timing_pool.TimingWorkerError as exc:
+        if notes is not None:
+            notes["shared_look"] = (f"not shared, timed alone: the group's look failed: "
+                                    f"{str(exc).splitlines()[0]}")
+        return None
+    for route, samples in by_route.items():
+        if route != shared.route:
+            shared.store[(shared.group, route)] = samples
+    return by_route[shared.route]
 
 
 def timing_mode(info: dict[str, Any]) -> str:
@@ -373,6 +444,22 @@ def pair_timers(pair: timing_pool.TimedPair, device: torch.device,
     calls = 1 if before is not None else calls_per_sample(base, dev, policy.cpu_sample_min_s)
     info["calls_per_sample"] = calls
     return round_timer(cand, base, device=dev, calls=calls, before_each=before), info
+
+
+def arms_timers(arms: timing_pool.TimedArms, device: torch.device,
+                policy: Policy) -> tuple[Callable[[Sequence[str]], dict[str, float]],
+                                         dict[str, Any]]:
+    """The round timer of a worker's arms (:func:`arms_timer`, the baseline named
+    ``timing_pool.BASELINE_ARM``) and how it times, for the report. A builder that captures
+    CUDA graphs does so itself (``TimedArms.info``); on the CPU calls shorter than
+    ``policy.cpu_sample_min_s`` are repeated within a sample, the same count for every arm."""
+    dev = torch.device(device)
+    before = arms.before_each
+    calls = 1 if before is not None else calls_per_sample(arms.baseline, dev,
+                                                          policy.cpu_sample_min_s)
+    info: dict[str, Any] = {"graph": None, **arms.info, "calls_per_sample": calls}
+    named = {**arms.candidates, timing_pool.BASELINE_ARM: arms.baseline}
+    return arms_timer(named, device=dev, calls=calls, before_each=before), info
 
 
 def _verdict_words(result: PairedResult | ProcessResult) -> str:

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +29,13 @@ from typing import Any
 
 import pluggy
 
-from pytest_dflash.measure.timing_pool import ALLOCATOR_ENV, PROTOCOL_FD_ENV, TimedPair
+from pytest_dflash.measure.timing_pool import (
+    ALLOCATOR_ENV,
+    BASELINE_ARM,
+    PROTOCOL_FD_ENV,
+    TimedArms,
+    TimedPair,
+)
 from pytest_dflash.routes.origin import CandidateCode, origin_of
 
 _hookimpl = pluggy.HookimplMarker("pytest")  # what pytest.hookimpl marks, without pytest
@@ -193,6 +200,30 @@ def _balanced_orders(rounds: int, seed: list[int]) -> list[str]:
     return orders
 
 
+def _balanced_arm_orders(arms: list[str], rounds: int, seed: list[int]) -> list[list[str]]:
+    """Orders of several arms for ``rounds`` rounds (an even number): each seeded random order
+    followed by its reverse, so in every two rounds each arm runs before each other arm once,
+    and every arm's mean position is the same: what a warm cache gives the next call cancels
+    for every pair of arms, as ``_balanced_orders`` does for two."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    orders: list[list[str]] = []
+    while len(orders) < rounds:
+        order = [arms[i] for i in rng.permutation(len(arms))]
+        orders += [order, order[::-1]]
+    return orders[:rounds]
+
+
+def _as_arms(run_pair: Any) -> Any:
+    """A pair's round timer (``timing.round_timer``) as an arms timer of arms ``c`` and ``b``."""
+
+    def run_arms(order: Sequence[str]) -> dict[str, float]:
+        return dict(zip("cb", run_pair("".join(order)), strict=True))
+
+    return run_arms
+
+
 def rounds_for(round_s: float | None, *, minimum: int, maximum: int, budget_s: float) -> int:
     """How many rounds this process times: enough to fill ``budget_s`` at ``round_s`` seconds a
     round (the warm-up's last round), an even number within [minimum, maximum].
@@ -213,7 +244,7 @@ class Prepared:
     """A job's pair as its builder made it, waiting for its turn to be timed."""
 
     key: str
-    pair: TimedPair
+    pair: TimedPair | TimedArms
     candidate: str | None
     candidate_code: CandidateCode
     build_s: float
@@ -235,10 +266,9 @@ def build_job(ctx: WorkerContext, message: dict[str, Any]) -> Prepared:
     ctx.candidate_code = CandidateCode()
     builder = resolve(message["builder"])
     pair = builder(ctx, **message["kwargs"])
-    if not isinstance(pair, TimedPair):
-        raise TypeError(
-            f"builder {message['builder']} returned {type(pair).__name__}, expected a TimedPair"
-        )
+    if not isinstance(pair, TimedPair | TimedArms):
+        raise TypeError(f"builder {message['builder']} returned {type(pair).__name__}, expected "
+                        "a TimedPair or TimedArms")
     return Prepared(_job_key(message), pair, ctx.candidate, ctx.candidate_code,
                     time.perf_counter() - start, reserved_before)
 
@@ -259,7 +289,7 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
     """Build (unless prepared), warm up and time one job; the answer carries raw seconds and
     the timed hits."""
     from pytest_dflash.measure import cuda_graphs
-    from pytest_dflash.measure.timing import pair_timers
+    from pytest_dflash.measure.timing import arms_timers, pair_timers
     from pytest_dflash.native import hits
 
     start = time.perf_counter()
@@ -272,13 +302,20 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
         built_here = 0.0
         ctx.candidate, ctx.candidate_code = prepared.candidate, prepared.candidate_code
     pair = prepared.pair
-    run_round, info = pair_timers(pair, ctx.device, ctx.policy)
+    if isinstance(pair, TimedArms):
+        run_arms, info = arms_timers(pair, ctx.device, ctx.policy)
+        first_order: Sequence[str] = [*pair.candidates, BASELINE_ARM]
+    else:
+        run_pair, info = pair_timers(pair, ctx.device, ctx.policy)
+        run_arms, first_order = _as_arms(run_pair), "cb"
+        del run_pair  # its captured graphs go with run_arms, below
+
     round_s = None
     budget_s = float(message.get("budget_s", 0.0))
     warmed = 0
     for _ in range(int(message["warmup"])):
         began = time.perf_counter()
-        run_round("cb")
+        run_arms(first_order)
         round_s = time.perf_counter() - began  # the last warm-up round: caches and JIT warm
         warmed += 1
         if budget_s > 0 and round_s >= budget_s and (ctx.timed_jobs or warmed > 1):
@@ -305,17 +342,17 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
     info["round_s"] = round_s
     # the calls each side made in the timed rounds: a gate checks its replayed route hits
     info["timed_calls"] = rounds * int(info.get("calls_per_sample", 1))
-    orders = _balanced_orders(rounds, message["seed"])
-    cand: list[float] = []
-    base: list[float] = []
+    orders: list[Any] = (_balanced_arm_orders(list(first_order), rounds, message["seed"])
+                         if isinstance(pair, TimedArms)
+                         else _balanced_orders(rounds, message["seed"]))
+    spent: dict[str, list[float]] = {name: [] for name in first_order}
     last = time.monotonic()
     with hits.counting() as delta:
-        for order in orders:
-            c, b = run_round(order)
-            cand.append(c)
-            base.append(b)
+        for done, order in enumerate(orders, start=1):
+            for name, seconds in run_arms(order).items():
+                spent[name].append(seconds)
             if time.monotonic() - last > 2.0:
-                beat({"progress": len(cand)})
+                beat({"progress": done})
                 last = time.monotonic()
         if pair.facts is not None:  # inside the count: it may book the last run's hits
             info["facts"] = pair.facts()
@@ -323,11 +360,13 @@ def time_job(ctx: WorkerContext, message: dict[str, Any], beat: Any) -> dict[str
     # worker is timed; the full collection only where emptying the cache did not get back to
     # what the process held before the build
     down_to = prepared.reserved_before
-    del pair, prepared, run_round
+    timed = {"arms": {name: spent[name] for name in pair.candidates},
+             "baseline_s": spent[BASELINE_ARM]} if isinstance(pair, TimedArms) else {
+             "candidate_s": spent["c"], "baseline_s": spent["b"]}
+    del pair, prepared, run_arms
     cuda_graphs.release(ctx.device, down_to=down_to)
     return {
-        "candidate_s": cand,
-        "baseline_s": base,
+        **timed,
         "orders": orders,
         "setup_s": setup_s,
         "info": info,

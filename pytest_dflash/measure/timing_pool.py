@@ -51,6 +51,8 @@ if TYPE_CHECKING:  # numpy stays off the plugin's import path
     from pytest_dflash.measure.process_statistics import ProcessSample
 
 PROTOCOL_FD_ENV = "DFLASH_TIMING_PROTOCOL_FD"
+# the baseline's name in a TimedArms round's order (candidates go by their route names)
+BASELINE_ARM = "(baseline)"
 START_TIMEOUT_S = 300.0
 # glibc's allocator, fixed in every worker unless the run's environment sets it. By default a
 # block above the mmap threshold (128 KiB at start) is mapped afresh on every allocation, and
@@ -106,6 +108,21 @@ class TimedPair:
     facts: Callable[[], dict[str, Any]] | None = None
     # how the builder made the calls, for the process's info in the report (e.g. a cold
     # prefill captured in a CUDA graph by the builder itself: {"graph": ...})
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TimedArms:
+    """Several candidates and one baseline as zero-argument calls, built inside a worker and
+    timed in the same rounds: each round runs every arm once, in an order balanced for each
+    pair of arms, so the baseline runs once a round for all the candidates and each candidate's
+    ratio is paired with the baseline run of its own round (``timing.SharedLook``)."""
+
+    baseline: Callable[[], Any]
+    candidates: dict[str, Callable[[], Any]]
+    before_each: Callable[[], Any] | None = None
+    # called once after the timed rounds: {candidate: its JSON facts}
+    facts: Callable[[], dict[str, dict[str, Any]]] | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -361,6 +378,33 @@ class TimingPool:
         self._workers.extend(new)
         self.started_s += time.perf_counter() - start
 
+    def _answers(self, job: TimingJob, count: int, *, rounds: int, warmup: int, seed: int,
+                 label: str, first: int, max_rounds: int | None,
+                 budget_s: float) -> list[tuple[_Worker, dict[str, Any]]]:
+        """Workers ``first .. first + count - 1`` prepare ``job`` together, then each times it
+        alone; their answers, in order (the route hits they timed booked here)."""
+        self._ensure(label, max(self.size, first + count))
+        workers = self._workers[first : first + count]
+        self._prepare(workers, job, label)
+        answers = []
+        for i, worker in enumerate(workers):
+            answer = worker.request(
+                {
+                    "op": "time",
+                    "builder": job.builder,
+                    "kwargs": job.kwargs,
+                    "rounds": rounds,
+                    "max_rounds": rounds if max_rounds is None else max(rounds, max_rounds),
+                    "budget_s": budget_s,
+                    "warmup": warmup,
+                    "seed": [seed, first + i],
+                },
+                label,
+            )
+            _replay_hits(answer.get("hits", []))
+            answers.append((worker, answer))
+        return answers
+
     def sample(
         self,
         job: TimingJob,
@@ -384,36 +428,42 @@ class TimingPool:
         """
         from pytest_dflash.measure.process_statistics import ProcessSample
 
-        self._ensure(label, max(self.size, first + count))
-        workers = self._workers[first : first + count]
-        self._prepare(workers, job, label)
-        samples: list[ProcessSample] = []
-        for i, worker in enumerate(workers):
-            answer = worker.request(
-                {
-                    "op": "time",
-                    "builder": job.builder,
-                    "kwargs": job.kwargs,
-                    "rounds": rounds,
-                    "max_rounds": rounds if max_rounds is None else max(rounds, max_rounds),
-                    "budget_s": budget_s,
-                    "warmup": warmup,
-                    "seed": [seed, first + i],
-                },
-                label,
-            )
-            _replay_hits(answer.get("hits", []))
-            samples.append(
-                ProcessSample(
-                    worker=worker.index,
-                    pid=worker.pid,
-                    candidate_s=answer["candidate_s"],
-                    baseline_s=answer["baseline_s"],
-                    orders=answer["orders"],
-                    setup_s=answer["setup_s"],
-                    info=answer.get("info", {}),
-                )
-            )
+        return [
+            ProcessSample(worker=worker.index, pid=worker.pid, candidate_s=answer["candidate_s"],
+                          baseline_s=answer["baseline_s"], orders=answer["orders"],
+                          setup_s=answer["setup_s"], info=answer.get("info", {}))
+            for worker, answer in self._answers(job, count, rounds=rounds, warmup=warmup,
+                                                seed=seed, label=label, first=first,
+                                                max_rounds=max_rounds, budget_s=budget_s)
+        ]
+
+    def sample_arms(self, job: TimingJob, count: int, *, rounds: int, warmup: int, seed: int,
+                    label: str, first: int = 0, max_rounds: int | None = None,
+                    budget_s: float = 0.0) -> dict[str, list[ProcessSample]]:
+        """As :meth:`sample`, for a job whose builder returns :class:`TimedArms`: per candidate,
+        its ProcessSamples, each paired with the baseline runs of the same rounds. A
+        process's ``info`` names the arms timed together (``arms``) and holds the candidate's
+        own facts."""
+        from pytest_dflash.measure.process_statistics import ProcessSample
+
+        samples: dict[str, list[ProcessSample]] = {}
+        for worker, answer in self._answers(job, count, rounds=rounds, warmup=warmup, seed=seed,
+                                            label=label, first=first, max_rounds=max_rounds,
+                                            budget_s=budget_s):
+            if "arms" not in answer:
+                raise TimingWorkerError(f"{label}: job {job.builder} did not build TimedArms")
+            info = answer.get("info", {})
+            facts = info.get("facts") or {}
+            for name, seconds in answer["arms"].items():
+                orders = ["cb" if order.index(name) < order.index(BASELINE_ARM) else "bc"
+                          for order in answer["orders"]]
+                own = {**info, "arms": sorted(answer["arms"])}
+                if name in facts:
+                    own["facts"] = facts[name]
+                samples.setdefault(name, []).append(ProcessSample(
+                    worker=worker.index, pid=worker.pid, candidate_s=seconds,
+                    baseline_s=answer["baseline_s"], orders=orders, setup_s=answer["setup_s"],
+                    info=own))
         return samples
 
     def _prepare(self, workers: Sequence[_Worker], job: TimingJob, label: str) -> None:
@@ -460,9 +510,12 @@ def _replay_hits(counts: Sequence[Sequence[Any]]) -> None:
 @dataclass(frozen=True)
 class TimingSetup:
     """Where a session's timing gates time and show their progress: the run's pool of worker
-    processes (None: time in the gate's process) and the progress sinks
-    (``progress.Sink``). The session keeps both under StashKeys and hands them to a gate as
-    ``dflash_gate.timing``, so two pytest sessions in one process never share either."""
+    processes (None: time in the gate's process), the progress sinks (``progress.Sink``) and
+    the first looks timed for a group of routes. The session keeps them and hands them to a
+    gate as ``dflash_gate.timing``, so two pytest sessions in one process never share any."""
 
     pool: TimingPool | None = None
     sinks: tuple[Any, ...] = ()
+    # the session's first looks timed for a group of routes, by (group, route), waiting for
+    # their own gates (``timing.SharedLook``)
+    looks: dict[tuple[str, str], Any] = field(default_factory=dict)

@@ -113,6 +113,29 @@ def modify_items(config: pytest.Config, items: list[pytest.Item]) -> None:
     reporting.deselect_skipped_benchmarks(config, items, lambda item: binding(item) is not None)
 
 
+def upcoming_tests(item: pytest.Item) -> list[tuple[Route, dict[str, Any]]]:
+    """The route and parameters of every later test of ``item``'s test function in this
+    session whose gate has not failed (``settled``): the tests whose first look a gate may
+    time with its own (``GateContext.peers``). Empty in an xdist worker, which runs a share
+    of the items it collected."""
+    items = item.session.items
+    if hasattr(item.config, "workerinput") or item not in items:
+        return []
+    found = []
+    for later in items[items.index(item) + 1:]:
+        bound = binding(later)
+        callspec = getattr(later, "callspec", None)
+        if (bound is None or callspec is None or later.path != item.path
+                or getattr(later, "originalname", None) != getattr(item, "originalname", None)
+                or settled.failed_at(item.config, bound["route"], bound["kind"])):
+            continue
+        route = callspec.params.get("dflash_route")
+        if isinstance(route, Route):
+            found.append((route, {k: v for k, v in callspec.params.items()
+                                  if k != "dflash_route"}))
+    return found
+
+
 def serves_dtype(route: Route, dtype: Any) -> bool:
     """Whether a gate test parametrized with ``dtype`` (a torch dtype or its name; None: not
     parametrized) applies to ``route``: every dtype does unless the route declares the ones

@@ -21,6 +21,7 @@ from pytest_dflash.native import hits
 from pytest_dflash.policy.thresholds import Policy
 from pytest_dflash.routes.registry import Route, RouteRegistry
 from pytest_dflash.session import engine_factory
+from pytest_dflash.session.collection import upcoming_tests
 from pytest_dflash.session.environment import profile_of, sidecar_path, torch_device
 from pytest_dflash.session.state import CANDIDATE_CODE, binding, state_of
 
@@ -138,7 +139,9 @@ def dflash_gate(request: pytest.FixtureRequest, dflash_route: Route,
                        rebuildable=lambda engine: engine_factory.factory_of(config).rebuildable(
                            selftest_engine.unwrapped(engine)),
                        timing=TimingSetup(pool=state_of(config).timing_pool,
-                                          sinks=progress.sinks_of(config)))
+                                          sinks=progress.sinks_of(config),
+                                          looks=state_of(config).shared_looks),
+                       upcoming=lambda: upcoming_tests(request.node))
     request.node.stash[CANDIDATE_CODE] = gate.candidate_code  # read if the test raises
     if dflash_route.hit_source is None:
         yield gate

@@ -48,6 +48,8 @@ class DflashState:
         self.selected_routes: set[str] = set()
         self.selected_gates: set[tuple[str, str]] = set()
         self.timing_pool: timing_pool.TimingPool | None = None
+        # first looks timed for a group of routes, waiting for their own gates (SharedLook)
+        self.shared_looks: dict[tuple[str, str], Any] = {}
         # plugins every timing worker registers too (the self-test's): WorkerSpec.worker_plugins
         self.worker_plugins: list[dict[str, Any]] = []
         self.planted: dict[str, dict[str, Any]] = {}  # route -> its report field ``planted``

@@ -119,28 +119,34 @@ class ReplayedPrefillRuns(PrefillRuns):
         return super().facts()
 
 
-class ColdPrefillPair:
-    """Candidate and baseline cold prefills of one prompt, both prefix caches reset before
-    every timed run, and the candidate's route hits over the runs."""
+class ColdPrefills:
+    """Cold prefills of one prompt on a baseline engine and one or more candidate engines,
+    every prefix cache reset before every timed run, and each candidate's route hits over the
+    runs. Several candidates share the baseline's runs when their first look is timed together
+    (``cold_prefill_arms``)."""
 
-    def __init__(self, baseline: Any, candidate: Any, route: str, ids: Sequence[int]) -> None:
+    def __init__(self, baseline: Any, candidates: dict[str, Any], ids: Sequence[int]) -> None:
         ids = list(ids)
-        self.route = route
-        self.candidate, self.baseline = PrefillRuns(candidate, ids), PrefillRuns(baseline, ids)
-        self._hits_before = candidate.route_hits().get(route, 0)
+        self.baseline = PrefillRuns(baseline, ids)
+        self.candidates = {route: PrefillRuns(engine, ids) for route, engine in candidates.items()}
+        self._hits_before = {route: engine.route_hits().get(route, 0)
+                             for route, engine in candidates.items()}
+
+    def _sides(self) -> list[PrefillRuns]:
+        return [*self.candidates.values(), self.baseline]
 
     def before_each(self) -> None:
-        self.candidate.reset()
-        self.baseline.reset()
+        for side in self._sides():
+            side.reset()
 
     def capture(self, device: Any) -> dict[str, Any]:
-        """On CUDA, both sides' cold prefills captured in CUDA graphs, whose replays are then
+        """On CUDA, every side's cold prefill captured in a CUDA graph, whose replays are then
         timed (one warm-up run of each first); how it went, for the report. An engine without
         a ``cold_prefill_call`` or a prefill the capture refuses is timed eagerly, and the
         report says why (docs/gates.md, "prefill")."""
         from pytest_dflash.measure import cuda_graphs
 
-        sides = (self.candidate, self.baseline)
+        sides = self._sides()
         calls = [getattr(side.engine, "cold_prefill_call", None) for side in sides]
         if any(call is None for call in calls):
             return {"graph": "not captured, timed eagerly: the engine has no cold_prefill_call"}
@@ -149,16 +155,42 @@ class ColdPrefillPair:
             captured = cuda_graphs.capture(prefills, device, warmup=1)
         except cuda_graphs.CaptureRefused as why:
             return {"graph": f"not captured, timed eagerly: {why}"}
-        self.candidate, self.baseline = (
-            ReplayedPrefillRuns(side, call, replay, output) for side, call, replay, output
-            in zip(sides, prefills, captured.replays, captured.outputs, strict=True))
+        replayed = [ReplayedPrefillRuns(side, call, replay, output) for side, call, replay, output
+                    in zip(sides, prefills, captured.replays, captured.outputs, strict=True)]
+        self.candidates = dict(zip(self.candidates, replayed[:-1], strict=True))
+        self.baseline = replayed[-1]
+        names = [*self.candidates, "baseline"]
         return {"graph": "captured: each cold prefill is one graph replay",
-                "eager_s": dict(zip(("candidate", "baseline"), captured.warm_s, strict=True))}
+                "eager_s": dict(zip(names, captured.warm_s, strict=True))}
+
+    def facts_of(self, route: str) -> dict[str, Any]:
+        """The runs of ``route`` and of the baseline, and the route hits its runs booked."""
+        side = self.candidates[route]
+        ran = side.engine.route_hits().get(route, 0) - self._hits_before[route]
+        return {"candidate": side.facts(), "baseline": self.baseline.facts(),
+                "candidate_route_hits": ran}
+
+
+class ColdPrefillPair(ColdPrefills):
+    """Candidate and baseline cold prefills of one prompt (one candidate's ``ColdPrefills``)."""
+
+    def __init__(self, baseline: Any, candidate: Any, route: str, ids: Sequence[int]) -> None:
+        super().__init__(baseline, {route: candidate}, ids)
+        self.route = route
+
+    @property
+    def candidate(self) -> PrefillRuns:
+        return self.candidates[self.route]
+
+    def capture(self, device: Any) -> dict[str, Any]:
+        info = super().capture(device)
+        if "eager_s" in info:
+            info["eager_s"] = {"candidate": info["eager_s"][self.route],
+                               "baseline": info["eager_s"]["baseline"]}
+        return info
 
     def facts(self) -> dict[str, Any]:
-        ran = self.candidate.engine.route_hits().get(self.route, 0) - self._hits_before
-        return {"candidate": self.candidate.facts(), "baseline": self.baseline.facts(),
-                "candidate_route_hits": ran}
+        return self.facts_of(self.route)
 
 
 def merged_prefill_facts(facts: Sequence[dict[str, Any]], side: str) -> dict[str, Any]:
@@ -200,6 +232,21 @@ def cold_prefill_pair(ctx: Any, *, route: str, baseline: str, ids: list[int]) ->
     info = pair.capture(ctx.device) if ctx.device.type == "cuda" else {}
     return TimedPair(pair.candidate, pair.baseline, before_each=pair.before_each,
                      facts=pair.facts, info=info)
+
+
+def cold_prefill_arms(ctx: Any, *, routes: list[str], baseline: str, ids: list[int]) -> Any:
+    """Timing-worker builder of a prefill gate's first look shared by several routes: each
+    route's cold prefills and the baseline's, timed in the same rounds
+    (``timing.SharedLook``), so the baseline runs once a round for all of them. As
+    ``cold_prefill_pair`` otherwise; each route's facts are its own and the baseline's."""
+    from pytest_dflash.measure.timing_pool import TimedArms
+
+    arms = ColdPrefills(ctx.engine(baseline), {route: ctx.engine(route) for route in routes},
+                        ids)
+    info = arms.capture(ctx.device) if ctx.device.type == "cuda" else {}
+    return TimedArms(arms.baseline, dict(arms.candidates), before_each=arms.before_each,
+                     facts=lambda: {route: arms.facts_of(route) for route in routes},
+                     info=info)
 
 
 def verify_drafts(prompt: Sequence[int], widths: int) -> list[list[int]]:
