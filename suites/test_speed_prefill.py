@@ -7,7 +7,9 @@ For each of the profile's prompt lengths (``ProfileSizes.prefill_lengths``, 32K:
 candidate's engine (the candidate switched in, every other family at its baseline) and the
 baseline's prefill the same prompt, interleaved in a balanced order, the prefix cache reset
 before every run (cold), in the run's timing worker processes (each rebuilds the session's
-in-process engine; a server engine is timed in this process). Every run of a route, in every
+in-process engine; a server engine is timed in this process). The routes of one prompt that
+are judged against the same baseline engine time their first look together
+(``shared_look``): the baseline runs once a round for all of them. Every run of a route, in every
 process, must yield the same first-token hash and the expected chunk count, the candidate's
 greedy first token must equal the baseline's, and the candidate's route hits must prove that it
 served the calls. Tokens/s of both go in the report.

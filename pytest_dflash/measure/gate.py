@@ -201,16 +201,14 @@ class GateContext:
         """The routes this gate may time its first look with (``timing.SharedLook``): those
         whose test of this gate, with the same ``params`` (e.g. ``size=1024``), is still to run
         in this session, whose gate has not failed and whose baseline runs what this route's
-        baseline runs (the same engine selection). A route that books another route's hits
-        (``Route.hit_source``, the self-test's copies) is never grouped: its hits are
-        attributed per test. Empty outside a session and under xdist."""
-        if self._upcoming is None or self.route.hit_source is not None:
+        baseline runs (the same engine selection). Empty outside a session and under xdist."""
+        if self._upcoming is None:
             return []
         own = self.registry.engine_selection((self.baseline_route.name,))
         found = []
         for route, values in self._upcoming():
-            if (route.name == self.route.name or route.hit_source is not None
-                    or any(values.get(key) != value for key, value in params.items())):
+            if route.name == self.route.name or any(
+                    values.get(key) != value for key, value in params.items()):
                 continue
             baseline = route.baseline or self.registry.family_of(route.family).baseline
             if self.registry.engine_selection((baseline,)) == own:
