@@ -71,3 +71,23 @@ def test_the_child_names_its_report_with_an_equals_sign(tmp_path: Path) -> None:
     for calibrate in (False, True):
         argv = child.command(report, ["-q"], calibrate=calibrate)
         assert f"--dflash-report={report}" in argv and str(report) not in argv, argv
+
+
+def test_the_calibration_child_selects_every_timing_gate(tmp_path: Path) -> None:
+    """``--repeat`` runs the calibration child: its selection must hold every timing gate kind
+    the calibration plants slowdowns for, the cold prefill as much as speed and
+    validation_cost (it once selected only the latter two, and the prefill's copy and
+    slowdowns were never timed)."""
+    from pytest_dflash.selftest import child
+
+    argv = child.command(tmp_path / "r.json", ["--collect-only", "--dflash-route",
+                                                "gemm.nvfp4.qpn2_packed"], calibrate=True)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={k: v for k, v in os.environ.items()
+                               if not k.startswith("PYTEST_XDIST")})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    for test in ("test_speed_cold_prefill", "test_gemm_validation_cost_verify_m"):
+        routes = {line.split("[", 1)[1].split("-")[0].rstrip("]") for line in collected
+                  if test in line}
+        assert {"gemm.nvfp4.qpn2_packed", "gemm.nvfp4.qpn2_packed~copy"} <= routes, collected

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pytest_dflash.routes.vocabulary import EXCLUSIVE_KINDS as TIMING_KINDS
+
 #: How long a child may take, after the interrupt, to close its workers and write its report
 #: before it is killed (a second Ctrl-C kills it at once).
 REPORT_GRACE_S = 120.0
@@ -34,10 +36,10 @@ def command(report: Path | str, pytest_args: Sequence[str], *,
             calibrate: bool = False) -> list[str]:
     """The child's command line: the gate suites with ``--dflash-selftest``, writing ``report``.
 
-    ``calibrate`` runs the timing gates alone with the planted slowdowns calibrated
-    (``--dflash-selftest-calibrate``), as ``--repeat`` does.
+    ``calibrate`` runs the timing gates alone (every kind: speed, prefill, validation_cost) with
+    the planted slowdowns calibrated (``--dflash-selftest-calibrate``), as ``--repeat`` does.
     """
-    marks = "sm70 and (speed or validation_cost)" if calibrate else "sm70"
+    marks = f"sm70 and ({' or '.join(sorted(TIMING_KINDS))})" if calibrate else "sm70"
     extra = ["--dflash-selftest-calibrate", "-p", "no:cacheprovider", "-q"] if calibrate else []
     return [sys.executable, "-m", "pytest", "--pyargs", "dflash_suites", "-m", marks,
             "--dflash-selftest", *extra, f"--dflash-report={report}", *pytest_args]
