@@ -28,10 +28,13 @@ LABELS = {"route": "the route itself", "copy": "unchanged copy (A/A)"}
 def _label(key: str, kind: str) -> str:
     if key in LABELS:
         return LABELS[key]
-    if key.startswith("slow_") or key.startswith("verify_cost_"):
+    if key.startswith(("slow_", "prefill_slow_", "verify_cost_")):
         slower = key.rsplit("_", 1)[-1].replace("pct", "% slower")
-        # speed: the baseline's own code, slowed (no gain); validation_cost: the verify step
-        return f"baseline's code, {slower}" if kind == "speed" else f"verify step {slower}"
+        # speed: the baseline's own code, slowed (no gain); prefill: the baseline's cold
+        # prefills, slowed; validation_cost: the verify step
+        return {"speed": f"baseline's code, {slower}",
+                "prefill": f"baseline's cold prefills, {slower}"}.get(kind,
+                                                                       f"verify step {slower}")
     return key
 
 
