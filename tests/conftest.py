@@ -215,13 +215,16 @@ class RealRuns:
         return json.loads(path.read_text(encoding="utf-8"))
 
 
-def _pytest_in(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _pytest_in(folder: Path, *args: str) -> subprocess.Popen[bytes]:
+    """A gate session started in ``folder`` (as on a host of its own), not waited for; its
+    output goes to ``folder/pytest.log``."""
     folder.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pytest", "--rootdir", str(ROOT), "-c",
                str(ROOT / "pyproject.toml"), "-p", "no:cacheprovider", "-q", *args,
                str(ROOT / "suites")]
-    return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=1200,
-                          env=child_env())
+    with open(folder / "pytest.log", "wb") as log:
+        return subprocess.Popen(command, cwd=folder, stdout=log, stderr=subprocess.STDOUT,
+                                env=child_env())
 
 
 @pytest.fixture(scope="session")
@@ -234,16 +237,22 @@ def real_runs(request: pytest.FixtureRequest) -> RealRuns:
         junit = tuple(p.with_suffix(".xml") for p in shards)
         unsharded, merged = folder / "one" / "one.json", folder / "all.json"
         if not made:
-            for k, report, xml in zip((1, 2, 3), shards, junit, strict=True):
-                # 3 rounds a process in the report (evidence.compact): every reader meets
-                # a sample
-                done = _pytest_in(report.parent, *REAL_SELECTION, f"--dflash-shard={k}/3",
-                                  "--dflash-report-rounds=3",
-                                  f"--dflash-report={report}", f"--junitxml={xml}")
-                assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
-            done = _pytest_in(unsharded.parent, "-m", "sm70 and (loader or parity)",
-                              *REAL_SELECTION[2:], f"--dflash-report={unsharded}")
-            assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+            # the four sessions at once, as on four hosts: the readers never depend on a speed
+            # verdict, and the other xdist worker often waits for these files meanwhile
+            runs = [_pytest_in(report.parent, *REAL_SELECTION, f"--dflash-shard={k}/3",
+                               # 3 rounds a process in the report (evidence.compact): every
+                               # reader meets a sample
+                               "--dflash-report-rounds=3",
+                               f"--dflash-report={report}", f"--junitxml={xml}")
+                    for k, report, xml in zip((1, 2, 3), shards, junit, strict=True)]
+            runs.append(_pytest_in(unsharded.parent, "-m", "sm70 and (loader or parity)",
+                                   *REAL_SELECTION[2:], f"--dflash-report={unsharded}"))
+            for run in runs:
+                run.wait(timeout=1200)
+            for run, where in zip(runs, [*(p.parent for p in shards), unsharded.parent],
+                                  strict=True):
+                log = (where / "pytest.log").read_text(encoding="utf-8", errors="replace")
+                assert run.returncode in (0, 1), log[-6000:]
             done = subprocess.run([sys.executable, "-m", "pytest_dflash.cli", "merge",
                                    str(merged), *map(str, shards)], capture_output=True,
                                   text=True, timeout=120, env=child_env())
