@@ -111,11 +111,16 @@ def shared_look(dflash_gate, baseline, ids: list[int]):
     looks"): their samples if one of them timed it, else a look of this route and those still
     to run. Those routes' agreement is checked by their own tests, before their timing counts;
     a route whose engine cannot be built here or rebuilt in a timing worker is left to its own
-    test."""
+    test. CPU only: on CUDA every worker of a shared look would hold each route's captured
+    prefill graph at once, several times a pair's device memory at the full profile's lengths,
+    so there each route times its own look."""
     import hashlib
     import json
 
     from pytest_dflash.measure.timing import SharedLook
+
+    if dflash_gate.device.type != "cpu":
+        return None
 
     builder = "dflash_suites.support.engine:cold_prefill_arms"
     peers = []
