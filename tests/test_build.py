@@ -123,7 +123,8 @@ def test_two_concurrent_builders_share_one_build(tmp_path):
     assert len(paths) == 1, paths
     (path,) = paths
     assert Path(path).is_file() and Path(path).parent.parent == cache
-    assert [p.name for p in cache.rglob("*.so")] == ["libdflash_d256_full.so"]
+    assert sorted(p.name for p in cache.rglob("*.so")) == [
+        "libdflash_d256_dense_only.so", "libdflash_d256_full.so"]
     assert not list(cache.rglob("*.tmp"))
     probe = subprocess.run(
         [sys.executable, "-c", "import ctypes, sys, torch; torch.ops.load_library(sys.argv[1]); "
@@ -192,10 +193,11 @@ def test_concurrent_compiles_all_finish_and_the_failure_is_raised(tmp_path):
     and only after the others have finished (no compiler is left writing into the cache)."""
     slow_ok = ["sh", "-c", f"sleep 0.3; touch {tmp_path / 'slow.o'}"]
     failing = ["sh", "-c", "echo 'error: bad kernel' >&2; exit 3"]
+    lib = tmp_path / "lib.so"
     with pytest.raises(build.BuildError, match=r"(?s)exit 3.*error: bad kernel"):
-        build._run_concurrently([failing, slow_ok], tmp_path / "lib.so")
+        build._run_concurrently([(failing, lib), (slow_ok, lib)])
     assert (tmp_path / "slow.o").is_file()
-    build._run_concurrently([slow_ok], tmp_path / "lib.so")
+    build._run_concurrently([(slow_ok, lib)])
 
 
 def test_the_library_uses_the_shared_cpp_runtime():
@@ -230,3 +232,43 @@ def test_cuda_runtime_is_linked_by_path_not_through_the_toolkit_folders(tmp_path
     flags = build._torch_link_flags(plan)
     assert not [f for f in flags if f.startswith("-L") and str(tmp_path) in f], flags
     assert str(tmp_path / "lib64" / "libcudart.so") in flags and build.SHARED_CPP_RUNTIME in flags
+
+
+def test_variants_built_together_compile_a_shared_object_once(tmp_path, monkeypatch):
+    """The loader gate's two variants differ by one macro that one source names: built together
+    they take three compiles, not four. Each compile is counted by a compiler wrapper (the real
+    g++ behind it), on two small sources: one names the variant's macro, one does not."""
+    src = tmp_path / "kernels" / "csrc"
+    src.mkdir(parents=True)
+    (src / "names.h").write_text("#pragma once\n#ifdef DFLASH_DENSE_ONLY\n"
+                                 "#define DFLASH_TINY 1\n#else\n#define DFLASH_TINY 2\n#endif\n")
+    (src / "a.cpp").write_text('#include "names.h"\n'
+                               'extern "C" int dflash_tiny_a() { return DFLASH_TINY; }\n')
+    (src / "b.cpp").write_text('extern "C" int dflash_tiny_b() { return 3; }\n')
+    log = tmp_path / "compiles.log"
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) echo "$*" >> {log};; esac\n'
+                       f'exec {shutil.which("g++") or shutil.which("c++")} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(build, "csrc_dir", lambda: src)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setenv(build.CUDA_ARCH_ENV, "none")
+    libs = build.build_libraries(("full", "dense_only"), cache_dir=tmp_path / "cache")
+    compiles = log.read_text().splitlines()
+    assert len(compiles) == 3, compiles
+    assert sum("b.cpp" in line for line in compiles) == 1
+    assert sorted("DFLASH_DENSE_ONLY" in line for line in compiles if "a.cpp" in line) == [
+        False, True]
+    import ctypes
+    values = {name: ctypes.CDLL(str(path)).dflash_tiny_a() for name, path in libs.items()}
+    assert values == {"full": 2, "dense_only": 1}
+    assert not list((tmp_path / "cache").rglob("*.o")) and not list(
+        (tmp_path / "cache").rglob("*.tmp"))
+    # found in the cache: nothing is compiled again
+    assert build.build_libraries(("dense_only", "full"), cache_dir=tmp_path / "cache") == libs
+    assert build.build_library("dense_only", cache_dir=tmp_path / "cache") == libs["dense_only"]
+    assert len(log.read_text().splitlines()) == 3
+    # one variant asked for from nothing: the other is built beside it
+    assert build.build_library("full", cache_dir=tmp_path / "fresh").is_file()
+    assert build.library_path("dense_only", cache_dir=tmp_path / "fresh").is_file()
+    assert len(log.read_text().splitlines()) == 6

@@ -160,24 +160,51 @@ def test_inconclusive_leaves_the_route_pending_and_strict_fails(toy: pytest.Pyte
     strict.stdout.fnmatch_lines(["*strict mode: selected candidates left pending: toy.spin.slow*"])
 
 
+SPLIT_CONFTEST = CONFTEST + """
+    registry.register(Route("toy.spin.split", "toy.spin", "candidate", baseline="toy.spin.base",
+                            gates=("speed",), impl="toyjobs:SAME"))
+"""
+
+SPLIT_JOBS = TOYJOBS + """
+import fcntl
+import os
+
+
+def split_pair(ctx, *, route):
+    # every other timing process times a candidate 10% faster, the others one 10% slower: the
+    # interval of two (or four) processes straddles the margin whatever the cores' noise
+    with open(os.path.join(os.path.dirname(__file__), "split.count"), "a+") as count:
+        fcntl.flock(count, fcntl.LOCK_EX)
+        count.seek(0)
+        built = len(count.read())
+        count.write("x")
+    return TimedPair(Spin(route, 0.00036 if built % 2 else 0.00044), BASE)
+"""
+
+
 def test_the_quick_and_ci_profiles_time_one_look(toy: pytest.Pytester) -> None:
     """``quick`` and ``ci`` (``ProfileSizes.timing_looks``) take one look of the policy's
-    processes, where ``full`` goes on looking at a gate that has not decided (identical code
-    against the 1% gain: two processes never decide it, and with the futility stop off the full
-    run looks again). The implicit profile of a CPU run is ci and is sized too, though it is
-    known only once the device is. The cap is in the report's policy and the workers'."""
-    toy.makepyfile(test_gates=GATES)
+    processes, where ``full`` goes on looking at a gate that has not decided (a candidate 10%
+    faster in every other process and 10% slower in the rest: no number of processes decides
+    the 1% gain, and with the futility stop off the full run looks again). The implicit
+    profile of a CPU run is ci and is sized too, though it is known only once the device is.
+    The cap is in the report's policy and the workers'."""
+    toy.makeconftest(SPLIT_CONFTEST)
+    toy.makepyfile(toyjobs=SPLIT_JOBS,
+                   test_gates=GATES.replace('"toyjobs:pair"', '"toyjobs:split_pair"'))
     toy.makefile(".toml", pyproject="[tool.pytest-dflash]\ntiming_processes = 2\n"
                  "timing_max_processes = 4\ntiming_min_rounds_per_process = 8\n"
                  "timing_process_s = 0.0\ntiming_futility = 0\n")
-    same = ["--dflash-route", "toy.spin.same", "--dflash-device", "cpu", "-p", "no:cacheprovider"]
+    split = ["--dflash-route", "toy.spin.split", "--dflash-device", "cpu",
+             "-p", "no:cacheprovider"]
     looks = {}
     for profile in ("quick", "ci", "full", None):
         asked = ["--dflash-profile", profile] if profile else []
-        toy.runpytest("-m", "sm70", *asked, *same)
+        toy.runpytest("-m", "sm70", *asked, *split)
         report = _report(toy)
         assert report["profile"] == (profile or "ci")
-        test = report["routes"]["toy.spin.same"]["gates"]["speed"]["tests"][0]
+        test = report["routes"]["toy.spin.split"]["gates"]["speed"]["tests"][0]
+        assert test["outcome"] == "inconclusive", test["message"]
         looks[profile] = test["measurements"]["looks"]
         assert report["policy"]["timing_max_processes"] == (4 if profile == "full" else 2)
     assert looks == {"quick": [2], "ci": [2], "full": [2, 4], None: [2]}, looks

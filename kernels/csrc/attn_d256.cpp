@@ -24,10 +24,13 @@
 // Build macro DFLASH_DENSE_ONLY: register only `dense` (a deliberately partial library, used by
 // the loader gate to exercise the "partial" state with a real file).
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "attn_d256_checks.h"

@@ -2,7 +2,9 @@
 // (attn_d256_cuda.cu) implementations so both refuse bad input with the same words.
 #pragma once
 
-#include <ATen/ATen.h>
+// The core Tensor class only, not <ATen/ATen.h>: every at:: function a source calls comes from
+// its own <ATen/ops/...> header, which halves the library's compile time.
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #include <cstdint>

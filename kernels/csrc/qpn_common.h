@@ -10,7 +10,9 @@
 // column, low nibble = even k) and raw E4M3 scale bytes [T][G][32].
 #pragma once
 
-#include <ATen/ATen.h>
+// The core Tensor class only, not <ATen/ATen.h>: every at:: function a source calls comes from
+// its own <ATen/ops/...> header, which halves the library's compile time.
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <mutex>

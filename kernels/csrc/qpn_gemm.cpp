@@ -31,6 +31,9 @@
 #include "qpn_common.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/silu.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 

@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                           help="run the self-test (remaining arguments go to pytest, e.g. "
                                "--dflash-profile quick --dflash-route NAME)")
     selftest.set_defaults(run=_selftest)
-    build = sub.add_parser("build", help="build the bundled D256 op library ahead of time")
+    build = sub.add_parser("build", help="build the bundled native op library ahead of time "
+                           "(every variant; prints the path of --variant's)")
     build.add_argument("--variant", choices=("full", "dense_only"), default="full")
     build.add_argument("--cache-dir", type=Path, default=None,
                        help="cache directory (default: $DFLASH_CACHE_DIR or "

@@ -64,10 +64,10 @@ def library_files(directory: Path) -> dict[str, Path]:
     cache), a copy of the full build at another path, a second copy (the clash), random bytes
     with a .so name, and a text file with a .so name."""
     from pytest_dflash.native import build
-    full = build.build_library("full")
-    dense_only = build.build_library("dense_only")
+    built = build.build_libraries(("full", "dense_only"))
+    full = built["full"]
     directory.mkdir(parents=True, exist_ok=True)
-    files = {"full": full, "dense_only": dense_only}
+    files = {"full": full, "dense_only": built["dense_only"]}
     for name in ("sidecar_copy", "clash_copy"):
         files[name] = directory / f"{name}/libdflash_d256.so"
         files[name].parent.mkdir(exist_ok=True)
