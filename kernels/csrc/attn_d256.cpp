@@ -25,6 +25,7 @@
 // the loader gate to exercise the "partial" state with a real file).
 
 #include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <ATen/ops/empty.h>

@@ -417,7 +417,7 @@ def build_library(variant: str = "full", cache_dir: Path | None = None) -> Path:
     """
     if variant not in VARIANTS:
         raise BuildError(f"unknown variant {variant!r}; known variants: {', '.join(VARIANTS)}")
-    return build_libraries(tuple(VARIANTS), cache_dir)[variant]
+    return build_libraries((variant, *VARIANTS), cache_dir)[variant]
 
 
 def build_libraries(variants: Sequence[str], cache_dir: Path | None = None) -> dict[str, Path]:
@@ -443,8 +443,9 @@ def build_libraries(variants: Sequence[str], cache_dir: Path | None = None) -> d
         for variant in missing:
             targets[variant].parent.mkdir(parents=True, exist_ok=True)
             locks.enter_context(FileLock(str(targets[variant]) + ".lock", timeout=900))
-        # built by another process while we waited
-        missing = [variant for variant in missing if not targets[variant].is_file()]
+        # built by another process while we waited; the rest in the order asked (a failed
+        # compile names the first library that needs it)
+        missing = [v for v in plans if v in missing and not targets[v].is_file()]
         if missing:
             _compile_and_link([(plans[v], targets[v]) for v in missing])
     return targets
