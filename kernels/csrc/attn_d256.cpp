@@ -25,7 +25,6 @@
 // the loader gate to exercise the "partial" state with a real file).
 
 #include <ATen/Parallel.h>
-#include <ATen/TensorOperators.h>
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <ATen/ops/empty.h>
@@ -282,7 +281,7 @@ void store_output_tile(const at::Tensor& o, const at::Tensor& l, const Item& it,
                        at::Tensor& out) {
   const int64_t qb = it.q1 - it.q0;
   at::Tensor dst = out.narrow(0, it.q0, qb).narrow(1, it.head * group, group).permute({1, 0, 2});
-  dst.copy_((o / l.unsqueeze(1)).view({group, qb, kHeadDim}));
+  dst.copy_(o.div(l.unsqueeze(1)).view({group, qb, kHeadDim}));
 }
 
 // Causal bound: keys a query tile [q0, q1) may see are [0, kv_end).
@@ -372,9 +371,9 @@ void attention_core(const at::Tensor& q, const at::Tensor& kp, const at::Tensor&
     at::Tensor pl = part_l.select(1, it.head).narrow(1, base, rows);
     at::Tensor po = part_o.select(1, it.head).narrow(1, base, rows);  // [S, rows, 256]
     at::Tensor gm = pm.amax(0);                                       // [rows]
-    at::Tensor w = (pm - gm.unsqueeze(0)).exp_();                     // [S, rows]
-    at::Tensor l = (w * pl).sum(0);
-    at::Tensor o = (po * w.unsqueeze(2)).sum(0);
+    at::Tensor w = pm.sub(gm.unsqueeze(0)).exp_();                     // [S, rows]
+    at::Tensor l = w.mul(pl).sum(0);
+    at::Tensor o = po.mul(w.unsqueeze(2)).sum(0);
     store_output_tile(o, l, it, group, out);
   });
 }

@@ -3,7 +3,8 @@
 #pragma once
 
 // The core Tensor class only, not <ATen/ATen.h>: every at:: function a source calls comes from
-// its own <ATen/ops/...> header, which halves the library's compile time.
+// its own <ATen/ops/...> header (and no tensor operator: <ATen/TensorOperators.h> pulls in every
+// ATen function), which takes a fifth off each compile of the library.
 #include <ATen/core/Tensor.h>
 
 #include <cmath>

@@ -31,7 +31,6 @@
 #include "qpn_common.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/TensorOperators.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/silu.h>
@@ -187,7 +186,7 @@ WorkspaceLease take_workspace(int64_t id, int64_t nbytes, int64_t bound, at::Dev
 
 at::Tensor finish(const at::Tensor& y32, int64_t n, bool gated, at::ScalarType dtype) {
   at::Tensor y = y32.narrow(1, 0, n);
-  if (gated) y = at::silu(y.narrow(1, 0, n / 2)) * y.narrow(1, n / 2, n / 2);
+  if (gated) y = at::silu(y.narrow(1, 0, n / 2)).mul(y.narrow(1, n / 2, n / 2));
   return y.to(dtype).contiguous();
 }
 

@@ -412,7 +412,7 @@ def build_library(variant: str = "full", cache_dir: Path | None = None) -> Path:
 
     A missing variant is built with every other missing one (:func:`build_libraries`): one more
     C++ compile beside the others, and the loader gate's partial library is ready when a run
-    needs it. From nothing on two cores the C++ sources take about 16 s; with CUDA sources
+    needs it. From nothing on two cores the C++ sources take about 14 s; with CUDA sources
     about a minute.
     """
     if variant not in VARIANTS:
