@@ -10,10 +10,15 @@
 // column, low nibble = even k) and raw E4M3 scale bytes [T][G][32].
 #pragma once
 
-// The core Tensor class only, not <ATen/ATen.h>: every at:: function a source calls comes from
-// its own <ATen/ops/...> header (and no tensor operator: <ATen/TensorOperators.h> pulls in every
-// ATen function), which takes a fifth off each compile of the library.
+// The C++ source gets the core Tensor class only, not <ATen/ATen.h>: every at:: function it calls
+// comes from its own <ATen/ops/...> header (and no tensor operator: <ATen/TensorOperators.h>
+// pulls in every ATen function), which takes a fifth off each compile. The CUDA source
+// (qpn_gemm_cuda.cu) calls more of ATen and gets all of it, as it always has.
+#ifdef __CUDACC__
+#include <ATen/ATen.h>
+#else
 #include <ATen/core/Tensor.h>
+#endif
 
 #include <cstdint>
 #include <mutex>

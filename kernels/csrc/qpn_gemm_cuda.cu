@@ -35,10 +35,6 @@
 // per chunk writes the chunk's output columns with alpha = 2^-14 (or the global scale): the bias
 // is removed from the fp32 accumulators before the single rounding to the output dtype.
 
-// The whole ATen API (the launch helpers call at::addmm_out and more); the C++ sources include
-// only the op headers they use.
-#include <ATen/ATen.h>
-
 #include "qpn_common.h"
 
 #include <c10/cuda/CUDAException.h>
